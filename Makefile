@@ -1,0 +1,34 @@
+# Two commands set up a fresh machine: `make serve` (the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install serve generate test lint unit clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# CPU torch first: an open torch requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/hybridserve serve $(ARGS)
+
+generate: $(STAMP)
+	$(BIN)/hybridserve generate $(ARGS) "It is a truth universally acknowledged"
+
+lint: $(STAMP)
+	$(BIN)/ruff check hybridserve tests benchmarks
+	$(BIN)/mypy hybridserve
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

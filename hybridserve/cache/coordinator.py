@@ -1,0 +1,201 @@
+"""Per-request block tables for every cache group: admit, extend, truncate, release, prefix reuse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridserve.cache.plan import CachePlan, GroupPlan
+from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.prefix import block_hashes
+from hybridserve.cache.spec import GroupKind
+
+
+@dataclass
+class PrefixHit:
+    """A reusable prefix: ``num_tokens`` cached tokens and, per group, the blocks that hold them."""
+
+    num_tokens: int = 0
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class _RequestBlocks:
+    tables: dict[str, list[int]]
+    hashes: list[bytes] = field(default_factory=list)
+    num_published: int = 0
+
+
+class KvCacheCoordinator:
+    """Owns every request's block tables; the only code that takes or returns blocks.
+
+    Logical block j covers tokens [j*B, (j+1)*B) in every group. History groups keep all their
+    blocks; window groups keep the blocks covering the last ``window_tokens + lookback`` tokens
+    before the next token to compute and recycle the rest (table entry set to the null block).
+    ``lookback`` keeps extra window context so that truncating that many tokens stays possible.
+    """
+
+    def __init__(
+        self, plan: CachePlan, pools: BlockPoolSet, enable_prefix_caching: bool = True, lookback: int = 0
+    ) -> None:
+        self.plan = plan
+        self.pools = pools
+        self.enable_prefix_caching = enable_prefix_caching
+        self.lookback = lookback
+        self.block_tokens = plan.block_tokens
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # ---- geometry -------------------------------------------------------------------------
+    def _first_kept(self, g: GroupPlan, start: int) -> int:
+        """Index of the first logical block that must stay readable when computing from ``start``."""
+        if g.spec.kind is GroupKind.HISTORY:
+            return 0
+        return max(0, start - g.spec.window_tokens - self.lookback) // self.block_tokens
+
+    def blocks_needed(self, start: int, end: int) -> dict[str, int]:
+        """Blocks a fresh request needs in each group to compute tokens [start, end)."""
+        last = (end - 1) // self.block_tokens
+        return {g.spec.name: last - self._first_kept(g, start) + 1 for g in self.plan.groups}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def block_tables(self, req_id: str) -> dict[str, list[int]]:
+        return self._requests[req_id].tables
+
+    def allocate(self, req_id: str, start: int, end: int) -> bool:
+        """Make tokens [start, end) writable (and the window before ``start`` readable).
+
+        All-or-nothing across groups: on failure nothing changes but recycling of blocks that no
+        window can see any more.
+        """
+        assert end > start >= 0
+        req = self._requests.setdefault(req_id, _RequestBlocks({g.spec.name: [] for g in self.plan.groups}))
+        self._recycle(req, start)
+        last = (end - 1) // self.block_tokens
+        missing: dict[str, list[int]] = {}
+        for g in self.plan.groups:
+            table = req.tables[g.spec.name]
+            first = self._first_kept(g, start)
+            assert all(table[j] != NULL_BLOCK for j in range(first, min(len(table), last + 1))), (
+                f"{g.spec.name}: window context before token {start} was already recycled"
+            )
+            missing[g.spec.name] = list(range(max(first, len(table)), last + 1))
+            if first > len(table):
+                table.extend([NULL_BLOCK] * (first - len(table)))
+        new = self.pools.allocate({name: len(js) for name, js in missing.items()})
+        if new is None:
+            return False
+        for name, _js in missing.items():
+            req.tables[name].extend(new[name])
+            assert len(req.tables[name]) == last + 1
+        return True
+
+    def _recycle(self, req: _RequestBlocks, start: int) -> None:
+        for g in self.plan.groups:
+            if g.spec.kind is GroupKind.WINDOW:
+                table = req.tables[g.spec.name]
+                first = min(self._first_kept(g, start), len(table))
+                dead = [b for b in table[:first] if b != NULL_BLOCK]
+                if dead:
+                    self.pools[g.spec.name].free(dead)
+                    table[:first] = [NULL_BLOCK] * first
+
+    def release(self, req_id: str) -> None:
+        """Return every block of a finished, aborted or preempted request."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
+            return
+        for name, table in req.tables.items():
+            # Tail first, so that the LRU evicts the ends of prefixes before their beginnings.
+            self.pools[name].free(table[::-1])
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Forget tokens from ``num_tokens`` on (speculative rollback); frees blocks past the end."""
+        req = self._requests[req_id]
+        keep = -(-num_tokens // self.block_tokens)
+        for name, table in req.tables.items():
+            self.pools[name].free(table[keep:][::-1])
+            del table[keep:]
+        req.hashes = req.hashes[: num_tokens // self.block_tokens]
+        req.num_published = min(req.num_published, len(req.hashes))
+
+    # ---- prefix caching -------------------------------------------------------------------
+    def probe(self, token_ids: list[int]) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` that can be resumed (at least one token left).
+
+        A hit at L needs every history block covering [0, L) and, for each window group, the blocks
+        covering the context before L that the next token can still see.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        hashes = block_hashes(token_ids, self.block_tokens)
+        max_blocks = min(len(hashes), (len(token_ids) - 1) // self.block_tokens)
+        n = self._history_run(hashes[:max_blocks])
+        while n > 0:
+            hit = self._hit_at(hashes, n)
+            if hit is not None:
+                return hit
+            n -= 1
+        return PrefixHit()
+
+    def _history_run(self, hashes: list[bytes]) -> int:
+        n = len(hashes)
+        for g in self.plan.groups:
+            if g.spec.kind is GroupKind.HISTORY:
+                pool = self.pools[g.spec.name]
+                run = 0
+                while run < n and pool.lookup(hashes[run]) is not None:
+                    run += 1
+                n = run
+        return n
+
+    def _hit_at(self, hashes: list[bytes], n: int) -> PrefixHit | None:
+        end = n * self.block_tokens
+        hit = PrefixHit(num_tokens=end)
+        for g in self.plan.groups:
+            pool = self.pools[g.spec.name]
+            first = self._first_kept(g, end)
+            table = [NULL_BLOCK] * first
+            for j in range(first, n):
+                block = pool.lookup(hashes[j])
+                if block is None:
+                    return None
+                table.append(block)
+            hit.blocks[g.spec.name] = table
+        return hit
+
+    def admit_prefix(self, req_id: str, hit: PrefixHit, token_ids: list[int]) -> None:
+        """Start a request's tables from a prefix hit, taking a reference to each shared block."""
+        assert req_id not in self._requests
+        for name, table in hit.blocks.items():
+            for b in table:
+                if b != NULL_BLOCK:
+                    self.pools[name].touch(b)
+        req = _RequestBlocks({g.spec.name: list(hit.blocks.get(g.spec.name, [])) for g in self.plan.groups})
+        n = hit.num_tokens // self.block_tokens
+        req.hashes = block_hashes(token_ids[: hit.num_tokens], self.block_tokens)
+        req.num_published = n
+        self._requests[req_id] = req
+
+    def publish(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Publish the request's newly filled blocks under their prefix hashes."""
+        if not self.enable_prefix_caching:
+            return
+        req = self._requests[req_id]
+        full = num_computed // self.block_tokens
+        if full <= req.num_published:
+            return
+        parent = req.hashes[-1] if req.hashes else b""
+        req.hashes += block_hashes(
+            token_ids[: full * self.block_tokens], self.block_tokens, parent, len(req.hashes)
+        )
+        for j in range(req.num_published, full):
+            for name, table in req.tables.items():
+                if table[j] != NULL_BLOCK:
+                    self.pools[name].publish(table[j], req.hashes[j])
+        req.num_published = full
+
+    def reset_prefix_cache(self) -> None:
+        for pool in self.pools.pools.values():
+            pool.reset_prefix_cache()

@@ -1,0 +1,164 @@
+"""Block pools: the tensors of each cache group, their free lists and reference counts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import torch
+
+from hybridserve.cache.plan import CachePlan, GroupPlan
+
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """The memory of one cache group, cut into blocks of ``rows_per_block`` rows.
+
+    Block 0 is the null block: never handed out, read where a table has no block. A block with
+    refcount 0 is either plain free (reused first) or cached under a prefix hash (evictable, least
+    recently used first), so churn of uncached blocks never flushes cached ones.
+    """
+
+    def __init__(self, plan: GroupPlan, device: torch.device | str) -> None:
+        self.plan = plan
+        self.name = plan.spec.name
+        rows = plan.num_blocks * plan.rows_per_block
+        self.tensors: dict[tuple[str, str], torch.Tensor] = {
+            (layer, f.name): torch.zeros(rows, f.width, dtype=f.dtype, device=device)
+            for layer in plan.spec.layers
+            for f in plan.spec.fields
+        }
+        self.ref_counts = [0] * plan.num_blocks
+        self.block_hash: list[bytes | None] = [None] * plan.num_blocks
+        self._free: deque[int] = deque(range(1, plan.num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation may take (plain free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.plan.usable_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= self.num_free, f"{self.name}: {n} blocks asked, {self.num_free} free"
+        blocks = [self._take() for _ in range(n)]
+        self._zero(blocks)
+        return blocks
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._uncache(block)
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def _zero(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        r = self.plan.rows_per_block
+        idx = torch.tensor(blocks, dtype=torch.long)
+        rows = (idx[:, None] * r + torch.arange(r)).flatten()
+        for t in self.tensors.values():
+            t.index_fill_(0, rows.to(t.device), 0)
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; unreferenced blocks become reusable."""
+        for block in blocks:
+            if block == NULL_BLOCK:
+                continue
+            assert self.ref_counts[block] > 0, f"{self.name}: double free of block {block}"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self._free.appendleft(block)
+                else:
+                    self._evictable[block] = None
+
+    def touch(self, block: int) -> None:
+        """Take a reference to a cached block (a prefix hit)."""
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)
+
+    def publish(self, block: int, block_hash: bytes) -> None:
+        """Make a full block findable under its prefix hash (first writer wins)."""
+        assert self.ref_counts[block] > 0
+        if self.block_hash[block] is not None or block_hash in self._cached:
+            return
+        self.block_hash[block] = block_hash
+        self._cached[block_hash] = block
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self._cached.get(h) == block:
+                del self._cached[h]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; evictable blocks become plain free."""
+        for block in list(self._evictable):
+            self._uncache(block)
+            self._free.append(block)
+        self._evictable.clear()
+        for block in range(1, self.num_blocks):
+            self._uncache(block)
+
+    def check_integrity(self) -> None:
+        free = list(self._free) + list(self._evictable)
+        assert len(free) == len(set(free)), f"{self.name}: a block is free twice"
+        assert all(self.ref_counts[b] == 0 for b in free), f"{self.name}: a free block is referenced"
+        assert all(c >= 0 for c in self.ref_counts)
+        assert NULL_BLOCK not in free and self.ref_counts[NULL_BLOCK] == 0
+        referenced = sum(1 for b in range(1, self.num_blocks) if self.ref_counts[b] > 0)
+        assert referenced + len(free) == self.plan.usable_blocks, f"{self.name}: blocks leaked"
+        for h, b in self._cached.items():
+            assert self.block_hash[b] == h
+
+
+class BlockPoolSet:
+    """One pool per cache group; allocations across groups are all-or-nothing."""
+
+    def __init__(self, plan: CachePlan, device: torch.device | str) -> None:
+        self.plan = plan
+        self.pools = {g.spec.name: BlockPool(g, device) for g in plan.groups}
+
+    def __getitem__(self, name: str) -> BlockPool:
+        return self.pools[name]
+
+    def can_allocate(self, counts: dict[str, int]) -> bool:
+        return all(self.pools[name].num_free >= n for name, n in counts.items())
+
+    def allocate(self, counts: dict[str, int]) -> dict[str, list[int]] | None:
+        if not self.can_allocate(counts):
+            return None
+        return {name: self.pools[name].allocate(n) for name, n in counts.items()}
+
+    def tensors(self) -> dict[tuple[str, str, str], torch.Tensor]:
+        """Every cache tensor, keyed by (group, layer, field)."""
+        return {(name, layer, f): t for name, p in self.pools.items() for (layer, f), t in p.tensors.items()}
+
+    def all_free(self) -> bool:
+        return all(p.num_used == 0 for p in self.pools.values())
+
+    def check_integrity(self) -> None:
+        for p in self.pools.values():
+            p.check_integrity()

@@ -1,0 +1,106 @@
+"""Command line: ``hybridserve serve | generate | plan | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+
+from hybridserve.config import EngineConfig
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument(
+        "--seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed"
+    )
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hybridserve.engine.llm import LLM
+    from hybridserve.engine.request import SamplingParams
+
+    _set_threads(args.num_threads)
+    config = EngineConfig.from_cli(args)
+    llm = LLM(**vars(config))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
+        completion = out.outputs[0]
+        print(f"{prompt}{completion.text}")
+        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]\n")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hybridserve.cache.plan import build_plan
+    from hybridserve.models.deepseek_v4 import cache_specs
+    from hybridserve.models.deepseek_v4_config import DeepseekV4Config
+    from hybridserve.models.loader import read_config
+
+    config = EngineConfig.from_cli(args)
+    raw = read_config(config.model)
+    cfg = DeepseekV4Config.from_dict(raw)
+    dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
+    specs = cache_specs(cfg, dtype)
+    block_tokens = config.resolve_block_tokens([s.stride for s in specs])
+    plan = build_plan(
+        specs,
+        block_tokens,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        memory_bytes=config.kv_cache_bytes,
+        num_blocks=config.num_blocks,
+    )
+    length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
+    print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
+    print(plan.describe(request_tokens=length))
+    return 0
+
+
+def _set_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+        "generate": (cmd_generate, "complete prompts offline"),
+        "plan": (cmd_plan, "print the cache plan for a model and memory budget"),
+    }
+    for name, (fn, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text)
+        EngineConfig.add_cli_args(p)
+        p.set_defaults(fn=fn)
+        if name == "generate":
+            _sampling_args(p)
+            p.add_argument("prompts", nargs="+")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ValueError, OSError) as exc:
+        print(f"hybridserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

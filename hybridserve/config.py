@@ -1,0 +1,146 @@
+"""EngineConfig: every engine knob in one dataclass, from keyword arguments, the CLI or the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENV_PREFIX = "HYBRIDSERVE_"
+
+
+def parse_size(text: str | int) -> int:
+    """``"2GiB"`` -> 2147483648; plain numbers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_model_path() -> str:
+    return str(Path(__file__).parent / "assets" / "austen-v4")
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(default_factory=default_model_path, metadata={"help": "Hugging Face model folder"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (the checkpoint's), float32, bfloat16, float16"}
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:N"}
+    )
+    max_num_seqs: int = field(default=32, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget of one step"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output (default: model)"}
+    )
+    block_tokens: int | None = field(default=None, metadata={"help": "tokens per logical cache block"})
+    kv_cache_memory: str = field(default="1GiB", metadata={"help": "memory for every cache pool, e.g. 2GiB"})
+    num_blocks: int | None = field(
+        default=None, metadata={"help": "blocks per cache group (overrides memory)"}
+    )
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+    seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        name = self.dtype if self.dtype != "auto" else (checkpoint_dtype or "float32")
+        if name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
+        return _DTYPES[name]
+
+    def resolve_block_tokens(self, strides: list[int]) -> int:
+        """The configured block size, or the smallest multiple of every stride that is >= 16."""
+        lcm = math.lcm(*strides) if strides else 1
+        if self.block_tokens is not None:
+            return self.block_tokens
+        return lcm * max(1, math.ceil(16 / lcm))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--flag-name`` per field; defaults may come from ``HYBRIDSERVE_FLAG_NAME``."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = os.environ.get(ENV_PREFIX + f.name.upper())
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=_env_bool(default),
+                    help=f.metadata.get("help"),
+                )
+            else:
+                parser.add_argument(flag, type=_field_type(f), default=default, help=f.metadata.get("help"))
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        return cls(**{k: _coerce(cls, k, v) for k, v in values.items() if v is not None})
+
+
+def _field_type(f: dataclasses.Field[Any]) -> Any:
+    return int if "int" in str(f.type) else str
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return _field_type(f)(value) if not isinstance(value, bool) else value
+
+
+def _env_bool(value: str | None) -> bool | None:
+    if value is None:
+        return None
+    return value.lower() in ("1", "true", "yes", "on")

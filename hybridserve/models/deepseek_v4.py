@@ -1,0 +1,466 @@
+"""DeepSeek-V4 in paged form: window + CSA (with the Lightning Indexer) + HCA attention, mHC, MoE, MTP.
+
+Module and parameter names follow the on-disk DeepSeek layout (``layers.L.attn.wq_a``, ...), so
+loading is a rename of a few top-level tensors. Attention writes new rows only through slot
+mappings and reads only through block tables (see ``deepseek_v4_meta``). Reference semantics:
+transformers 5.23 ``DeepseekV4ForCausalLM``, including its dtype rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
+from hybridserve.layers.attention import sink_attention
+from hybridserve.layers.forward_batch import ForwardBatch
+from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
+from hybridserve.layers.moe import MoE
+from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
+from hybridserve.layers.rope import Rotary, apply_rope
+from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from hybridserve.models.deepseek_v4_meta import (
+    CSA_ROWS,
+    CSA_STATE,
+    HCA_ROWS,
+    HCA_STATE,
+    WINDOW_KV,
+    AttentionMeta,
+    CompressedMeta,
+    build_meta,
+)
+
+CacheTensors = dict[tuple[str, str, str], torch.Tensor]
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+def _fp32(*shape: int) -> nn.Parameter:
+    return keep_fp32(nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False))
+
+
+class Compressor(nn.Module):
+    """Pools per-token (kv, gate) rows of a window into one row: softmax(gate + ape)-weighted sum.
+
+    With ``overlap`` (CSA), projections are twice as wide: row w mixes the first half ("Ca") of
+    window w-1's tokens with the second half ("Cb") of window w's tokens.
+    """
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = dim * (2 if overlap else 1)
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.wkv = _linear(hidden, width)
+        self.wgate = _linear(hidden, width)
+        self.ape = _fp32(rate, width)
+        self.norm = RMSNorm(dim, eps)
+
+    def compress(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``kv``/``gate`` [Nw, span, width] gathered rows -> pooled rows [Nw, dim] (before rope)."""
+        m, d = self.rate, self.dim
+        if self.overlap:
+            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+            gate = torch.cat([gate[:, :m, :d] + self.ape[:, :d], gate[:, m:, d:] + self.ape[:, d:]], dim=1)
+        else:
+            gate = gate + self.ape
+        kv = kv.masked_fill(~valid[..., None], 0)
+        gate = gate.masked_fill(~valid[..., None], float("-inf"))
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.norm((kv * weights).sum(dim=1))
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: scores compressed rows per query and keeps the top ``index_topk``."""
+
+    def __init__(self, cfg: DeepseekV4Config, rate: int) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = _linear(cfg.q_lora_rank, self.heads * self.dim)
+        self.weights_proj = _linear(cfg.hidden_size, self.heads)
+        self.compressor = Compressor(cfg.hidden_size, self.dim, rate, overlap=True, eps=cfg.rms_norm_eps)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        keys: torch.Tensor,
+        meta: CompressedMeta,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (row numbers [T, k], selected and visible [T, k]) per query."""
+        q = apply_rope(self.wq_b(q_res).view(-1, self.heads, self.dim), *rope).float()
+        w = self.weights_proj(x).float() * self.heads**-0.5
+        scores = torch.matmul(q, keys.float().transpose(1, 2)).relu_() * self.dim**-0.5  # [T, H, N]
+        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~meta.read_visible, float("-inf"))
+        k = min(self.topk, scores.shape[1])
+        picked = torch.zeros(scores.shape[0], k, dtype=torch.long, device=scores.device)
+        for tokens, length in meta.topk_groups:
+            kk = min(self.topk, length)
+            if kk:
+                picked[tokens, :kk] = scores[tokens, :length].topk(kk, dim=-1).indices
+            if kk < k:
+                picked[tokens, kk:] = length  # past every visible row: never selected
+        ok = picked < (meta.read_visible.sum(dim=1, keepdim=True))
+        return picked, ok
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, key: str, layer_type: str) -> None:
+        super().__init__()
+        d, h = cfg.head_dim, cfg.num_attention_heads
+        self.cfg, self.key, self.layer_type = cfg, key, layer_type
+        self.heads, self.head_dim = h, d
+        self.rope_name = "main" if layer_type == SLIDING else "compress"
+        self.wq_a = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = _linear(cfg.q_lora_rank, h * d)
+        self.wkv = _linear(cfg.hidden_size, d)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = _linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = _fp32(h)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if layer_type == CSA:
+            rate = cfg.compress_rates[CSA]
+            self.compressor = Compressor(cfg.hidden_size, d, rate, overlap=True, eps=cfg.rms_norm_eps)
+            self.indexer = Indexer(cfg, rate)
+        elif layer_type == HCA:
+            rate = cfg.compress_rates[HCA]
+            self.compressor = Compressor(cfg.hidden_size, d, rate, overlap=False, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMeta, cache: CacheTensors, rotary: dict[str, Rotary]
+    ) -> torch.Tensor:
+        cos, sin = meta.rope[self.rope_name]
+        q_res = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_res).view(-1, self.heads, self.head_dim), self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
+        window = cache[(WINDOW_KV, self.key, "kv")]
+        window.index_copy_(0, meta.token_slots[WINDOW_KV], kv)
+        keys, visible = window[meta.window_slots], meta.window_visible
+        if self.compressor is not None:
+            ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache, rotary)
+            keys, visible = torch.cat([keys, ckeys], dim=1), torch.cat([visible, cvisible], dim=1)
+        out = sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
+        out = apply_rope(out, cos, -sin)
+        return self.wo_b(self._grouped_out(out))
+
+    def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
+        g = self.cfg.o_groups
+        x = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, in]
+        w = self.wo_a.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
+        return torch.bmm(x, w).transpose(0, 1).flatten(1)
+
+    def _compressed_keys(
+        self,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        meta: AttentionMeta,
+        cache: CacheTensors,
+        rotary: dict[str, Rotary],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.compressor is not None
+        if self.indexer is None:
+            assert meta.hca is not None
+            hm = meta.hca
+            self._pool(
+                self.compressor,
+                x,
+                hm,
+                meta.token_slots[HCA_STATE],
+                cache,
+                HCA_STATE,
+                HCA_ROWS,
+                ("kv", "gate", "kv"),
+                rotary,
+            )
+            return cache[(HCA_ROWS, self.key, "kv")][hm.read_slots], hm.read_visible
+        assert meta.csa is not None
+        cm, slots = meta.csa, meta.token_slots[CSA_STATE]
+        self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"), rotary)
+        self._pool(
+            self.indexer.compressor,
+            x,
+            cm,
+            slots,
+            cache,
+            CSA_STATE,
+            CSA_ROWS,
+            ("idx_kv", "idx_gate", "idx"),
+            rotary,
+        )
+        idx_keys = cache[(CSA_ROWS, self.key, "idx")][cm.read_slots]
+        picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"])
+        rows = cm.read_slots.gather(1, picked.clamp(max=max(cm.read_slots.shape[1] - 1, 0)))
+        return cache[(CSA_ROWS, self.key, "kv")][rows], ok
+
+    def _pool(
+        self,
+        comp: Compressor,
+        x: torch.Tensor,
+        cm: CompressedMeta,
+        slots: torch.Tensor,
+        cache: CacheTensors,
+        state: str,
+        rows: str,
+        fields: tuple[str, str, str],
+        rotary: dict[str, Rotary],
+    ) -> None:
+        """Store this step's compressor inputs, then pool every window the step completes."""
+        kv_rows, gate_rows = cache[(state, self.key, fields[0])], cache[(state, self.key, fields[1])]
+        kv_rows.index_copy_(0, slots, comp.wkv(x))
+        gate_rows.index_copy_(0, slots, comp.wgate(x))
+        if cm.done.numel() == 0:
+            return
+        pooled = comp.compress(kv_rows[cm.src_slots], gate_rows[cm.src_slots], cm.src_valid)
+        cos, sin = rotary["compress"].cos_sin(cm.row_positions, pooled.dtype)
+        cache[(rows, self.key, fields[2])].index_copy_(0, cm.row_slots, apply_rope(pooled, cos, sin))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, key: str, layer_type: str, mlp_type: str) -> None:
+        super().__init__()
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, key, layer_type)
+        self.ffn = MoE(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.vocab_size,
+            mlp_type == "hash_moe",
+            cfg.scoring_func,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+        )
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(*hc)
+        self.hc_ffn = HyperConnection(*hc)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        meta: AttentionMeta,
+        cache: CacheTensors,
+        rotary: dict[str, Rotary],
+    ) -> torch.Tensor:
+        post, comb, x = self.hc_attn(streams)
+        streams = hyper_residual(self.attn(self.attn_norm(x), meta, cache, rotary), streams, post, comb)
+        post, comb, x = self.hc_ffn(streams)
+        return hyper_residual(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction: streams at t and the embedding of t+1 -> logits for t+2."""
+
+    def __init__(self, cfg: DeepseekV4Config, key: str) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.e_proj, self.h_proj = _linear(d, d), _linear(d, d)
+        self.enorm, self.hnorm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.block = DecoderLayer(cfg, key, SLIDING, "moe")
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, d, cfg.hc_eps, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        prev_streams: torch.Tensor,
+        next_embeds: torch.Tensor,
+        input_ids: torch.Tensor,
+        meta: AttentionMeta,
+        cache: CacheTensors,
+        rotary: dict[str, Rotary],
+    ) -> torch.Tensor:
+        x = self.h_proj(self.hnorm(prev_streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(-2)
+        return self.block(x, input_ids, meta, cache, rotary)
+
+
+class DeepseekV4Model(nn.Module):
+    """The whole model; ``forward`` returns the pre-head residual streams [T, hc, D]."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, f"layers.{i}", t, cfg.mlp_layer_types[i]) for i, t in enumerate(cfg.layer_types)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{i}") for i in range(cfg.num_nextn_predict_layers))
+        self._rotary: dict[str, Rotary] = {}
+
+    def cache_specs(self, include_mtp: bool = False) -> list[CacheGroupSpec]:
+        return cache_specs(self.cfg, self.dtype, include_mtp)
+
+    def rotary(self) -> dict[str, Rotary]:
+        device = self.head.weight.device
+        if not self._rotary or self._rotary["main"].inv_freq.device != device:
+            self._rotary = {name: Rotary(r, device) for name, r in self.cfg.rope.items()}
+        return self._rotary
+
+    def attention_meta(self, batch: ForwardBatch) -> AttentionMeta:
+        rates = {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
+        return build_meta(batch, self.cfg.sliding_window, rates, self.rotary(), self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, cache: CacheTensors, meta: AttentionMeta | None = None
+    ) -> torch.Tensor:
+        meta = meta or self.attention_meta(batch)
+        rotary = self.rotary()
+        x = self.embed_tokens(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, batch.input_ids, meta, cache, rotary)
+        return streams
+
+    @torch.inference_mode()
+    def compute_logits(
+        self, streams: torch.Tensor, hc_head: HyperHead | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        h = (norm or self.norm)((hc_head or self.hc_head)(streams))
+        return self.head(h)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], unknown: list[str]) -> set[str]:
+        """Copy checkpoint tensors (on-disk names) into the model; returns the keys it filled.
+
+        Names the model has no place for are appended to ``unknown``; MTP tensors beyond the
+        configured MTP layers are skipped.
+        """
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
+        filled: set[str] = set()
+        for disk_name, tensor in weights:
+            name, expert, which = checkpoint_to_param(disk_name)
+            if name not in params:
+                if not name.startswith("mtp."):
+                    unknown.append(disk_name)
+                continue
+            target = params[name]
+            if expert is not None:
+                target = target[expert]
+                if which is not None:
+                    half = target.shape[0] // 2
+                    target = target[:half] if which == "w1" else target[half:]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{disk_name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+            filled.add(_fill_key(name, expert, which))
+        return filled
+
+    def expected_weights(self) -> set[str]:
+        """Every key ``load_weights`` must fill for the model to be complete."""
+        keys: set[str] = set()
+        for name, _ in list(self.named_parameters()) + list(self.named_buffers()):
+            if name.endswith("experts.gate_up"):
+                keys.update(
+                    _fill_key(name, e, w) for e in range(self.cfg.n_routed_experts) for w in ("w1", "w3")
+                )
+            elif name.endswith("experts.down"):
+                keys.update(_fill_key(name, e, None) for e in range(self.cfg.n_routed_experts))
+            else:
+                keys.add(name)
+        return keys
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Cast weights to ``dtype`` except those the reference keeps in float32 (norms, hc, sinks...)."""
+        self.dtype = dtype
+        for p in self.parameters():
+            if not getattr(p, "keep_fp32", False):
+                p.data = p.data.to(dtype)
+
+
+def _fill_key(name: str, expert: int | None, which: str | None) -> str:
+    return name if expert is None else f"{name}.{expert}" + (f".{which}" if which else "")
+
+
+_TOP_LEVEL = {
+    "embed.weight": "embed_tokens.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+    "lm_head.weight": "head.weight",
+}
+_MTP_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head")
+
+
+def checkpoint_to_param(disk_name: str) -> tuple[str, int | None, str | None]:
+    """Map a tensor name of the transformers or the official layout to (parameter, expert, w1/w3)."""
+    name = disk_name.removeprefix("model.")
+    name = _TOP_LEVEL.get(name, name)
+    for part in ("hc_attn", "hc_ffn"):
+        for suffix in ("fn", "base", "scale"):
+            name = name.replace(f"{part}_{suffix}", f"{part}.{suffix}")
+    if name.startswith("mtp."):
+        name = _mtp_name(name)
+    if ".ffn.experts." in name:
+        prefix, rest = name.split(".ffn.experts.")
+        expert, which = rest.split(".")[:2]
+        if which == "w2":
+            return f"{prefix}.ffn.experts.down", int(expert), None
+        return f"{prefix}.ffn.experts.gate_up", int(expert), which
+    return name, None, None
+
+
+def _mtp_name(name: str) -> str:
+    """``mtp.0.X``: the layer's own tensors stay, the decoder block's move under ``block.``."""
+    _, idx, rest = name.split(".", 2)
+    if rest.startswith("hc_head_"):
+        return f"mtp.{idx}.hc_head.hc_{rest.removeprefix('hc_head_')}"
+    if rest.startswith(_MTP_OWN):
+        return f"mtp.{idx}.{rest}"
+    return f"mtp.{idx}.block.{rest}"
+
+
+def cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype, include_mtp: bool = False) -> list[CacheGroupSpec]:
+    """Every kind of per-request state the model keeps, as cache groups."""
+    d, i = cfg.head_dim, cfg.index_head_dim
+    layers = [f"layers.{n}" for n in range(cfg.num_hidden_layers)]
+    window_layers = layers + (
+        [f"mtp.{n}" for n in range(cfg.num_nextn_predict_layers)] if include_mtp else []
+    )
+    csa = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == CSA]
+    hca = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == HCA]
+    specs = [
+        CacheGroupSpec(
+            WINDOW_KV,
+            GroupKind.WINDOW,
+            1,
+            (RowField("kv", d, dtype),),
+            tuple(window_layers),
+            window_tokens=cfg.sliding_window - 1,
+        )
+    ]
+    if csa:
+        m = cfg.compress_rates[CSA]
+        state = tuple(
+            RowField(n, w, dtype)
+            for n, w in (("kv", 2 * d), ("gate", 2 * d), ("idx_kv", 2 * i), ("idx_gate", 2 * i))
+        )
+        specs.append(
+            CacheGroupSpec(CSA_STATE, GroupKind.WINDOW, 1, state, tuple(csa), window_tokens=2 * m - 1)
+        )
+        rows = (RowField("kv", d, dtype), RowField("idx", i, dtype))
+        specs.append(CacheGroupSpec(CSA_ROWS, GroupKind.HISTORY, m, rows, tuple(csa)))
+    if hca:
+        m = cfg.compress_rates[HCA]
+        state = (RowField("kv", d, dtype), RowField("gate", d, dtype))
+        specs.append(CacheGroupSpec(HCA_STATE, GroupKind.WINDOW, 1, state, tuple(hca), window_tokens=m - 1))
+        specs.append(CacheGroupSpec(HCA_ROWS, GroupKind.HISTORY, m, (RowField("kv", d, dtype),), tuple(hca)))
+    return specs
+
+
+__all__ = ["DeepseekV4Model", "cache_specs", "checkpoint_to_param"]

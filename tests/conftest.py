@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import SPECS, make_checkpoint
+
+# Tiny models are dominated by per-op overhead; one thread is fastest and steadiest on shared CI machines.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(name)``: folder of a tiny random transformers checkpoint (built once per session)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = make_checkpoint(SPECS[name], tmp_path_factory.mktemp(f"ckpt_{name}"))
+        return built[name]
+
+    return get

@@ -1,0 +1,114 @@
+"""The reference: transformers' DeepseekV4ForCausalLM, always one sequence at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.tiny_models import load_reference
+
+
+@cache
+def reference_model(folder: Path, dtype: str = "float32") -> Any:
+    return load_reference(folder, dtype)
+
+
+@cache
+def _greedy(folder: Path, dtype: str, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+    from transformers import DynamicCache
+
+    model = reference_model(folder, dtype)
+    cache_ = DynamicCache(config=model.config)
+    tokens: list[int] = []
+    step = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([step]), past_key_values=cache_, use_cache=True).logits
+            step = [int(logits[0, -1].argmax())]
+            tokens += step
+    return tuple(tokens)
+
+
+def reference_greedy(folder: Path, prompt: list[int], max_new: int, dtype: str = "float32") -> list[int]:
+    """Greedy continuation of one prompt: prefill in one shot, then one token at a time, no stopping
+    (``generate``'s ``min_new_tokens`` would mask EOS, which ``ignore_eos`` does not)."""
+    return list(_greedy(folder, dtype, tuple(prompt), max_new))
+
+
+def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits of every position, computed in the given chunks through the reference's own cache."""
+    from transformers import DynamicCache
+
+    cache_ = DynamicCache(config=model.config)
+    out, pos = [], 0
+    with torch.no_grad():
+        for c in chunks:
+            logits = model(
+                torch.tensor([token_ids[pos : pos + c]]), past_key_values=cache_, use_cache=True
+            ).logits
+            out.append(logits[0])
+            pos += c
+    return torch.cat(out)
+
+
+def replay(model: Any, token_ids: list[int], schedule: list[tuple[int, int]]) -> list[int]:
+    """Teacher-forced replay of an engine schedule of (start, n) chunks; argmax after each chunk.
+
+    A chunk starting at 0 after others means the request was preempted and recomputed: the
+    reference restarts from an empty cache too.
+    """
+    from transformers import DynamicCache
+
+    picks: list[int] = []
+    cache_ = None
+    with torch.no_grad():
+        for start, n in schedule:
+            if start == 0 or cache_ is None:
+                cache_ = DynamicCache(config=model.config)
+            logits = model(
+                torch.tensor([token_ids[start : start + n]]), past_key_values=cache_, use_cache=True
+            ).logits
+            picks.append(int(logits[0, -1].argmax()))
+    return picks
+
+
+@dataclass
+class TieReport:
+    ties: list[tuple[int, int]]  # (layer, query position) whose top-k boundary falls inside an exact tie
+    min_logit_gaps: list[float]  # per generated step: gap between the best and second-best logit
+
+
+def tie_report(model: Any, token_ids: list[int], prompt_len: int) -> TieReport:
+    """Run ``token_ids`` once through the reference and report exact indexer ties and logit gaps."""
+    ties: list[tuple[int, int]] = []
+    cfg = model.config
+    m = cfg.compress_rates["compressed_sparse_attention"]
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        comp = getattr(layer.self_attn, "compressor", None)
+        indexer = getattr(comp, "indexer", None)
+        if indexer is None:
+            continue
+
+        def hook(module: Any, args: Any, scores: torch.Tensor, layer_idx: int = i) -> None:
+            for pos in range(scores.shape[1]):
+                valid = scores[0, pos, : (pos + 1) // m]
+                k = cfg.index_topk
+                if valid.numel() > k:
+                    top = valid.sort(descending=True).values
+                    if top[k - 1] == top[k]:
+                        ties.append((layer_idx, pos))
+
+        hooks.append(indexer.scorer.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    top2 = logits[prompt_len - 1 :].float().topk(2, dim=-1).values
+    return TieReport(ties, (top2[:, 0] - top2[:, 1]).tolist())
