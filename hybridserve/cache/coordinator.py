@@ -31,7 +31,8 @@ class KvCacheCoordinator:
     Logical block j covers tokens [j*B, (j+1)*B) in every group. History groups keep all their
     blocks; window groups keep the blocks covering the last ``window_tokens + lookback`` tokens
     before the next token to compute and recycle the rest (table entry set to the null block).
-    ``lookback`` keeps extra window context so that truncating that many tokens stays possible.
+    ``lookback`` keeps extra window context so that truncating up to that many tokens before the
+    last allocation's start stays possible (speculative rollback only truncates after it).
     """
 
     def __init__(
@@ -51,6 +52,12 @@ class KvCacheCoordinator:
             return 0
         return max(0, start - g.spec.window_tokens - self.lookback) // self.block_tokens
 
+    def _first_needed(self, g: GroupPlan, start: int) -> int:
+        """Index of the first block the next forward reads (the window without lookback)."""
+        if g.spec.kind is GroupKind.HISTORY:
+            return 0
+        return max(0, start - g.spec.window_tokens) // self.block_tokens
+
     def blocks_needed(self, start: int, end: int) -> dict[str, int]:
         """Blocks a fresh request needs in each group to compute tokens [start, end)."""
         last = (end - 1) // self.block_tokens
@@ -66,40 +73,37 @@ class KvCacheCoordinator:
     def allocate(self, req_id: str, start: int, end: int) -> bool:
         """Make tokens [start, end) writable (and the window before ``start`` readable).
 
-        All-or-nothing across groups: on failure nothing changes but recycling of blocks that no
-        window can see any more.
+        All-or-nothing across groups: on failure nothing changes. On success, window blocks that
+        no later token can see are recycled first, so they count towards the new blocks.
         """
         assert end > start >= 0
         req = self._requests.setdefault(req_id, _RequestBlocks({g.spec.name: [] for g in self.plan.groups}))
-        self._recycle(req, start)
         last = (end - 1) // self.block_tokens
-        missing: dict[str, list[int]] = {}
+        dead: dict[str, int] = {}
+        missing: dict[str, int] = {}
         for g in self.plan.groups:
-            table = req.tables[g.spec.name]
-            first = self._first_kept(g, start)
-            assert all(table[j] != NULL_BLOCK for j in range(first, min(len(table), last + 1))), (
-                f"{g.spec.name}: window context before token {start} was already recycled"
+            name, table = g.spec.name, req.tables[g.spec.name]
+            first, needed = self._first_kept(g, start), self._first_needed(g, start)
+            assert all(table[j] != NULL_BLOCK for j in range(needed, min(len(table), last + 1))), (
+                f"{name}: window context before token {start} was already recycled"
             )
-            missing[g.spec.name] = list(range(max(first, len(table)), last + 1))
-            if first > len(table):
-                table.extend([NULL_BLOCK] * (first - len(table)))
-        new = self.pools.allocate({name: len(js) for name, js in missing.items()})
-        if new is None:
-            return False
-        for name, _js in missing.items():
-            req.tables[name].extend(new[name])
+            dead[name] = min(first, len(table))
+            missing[name] = last + 1 - max(first, len(table))
+            pool = self.pools[name]
+            freed = sum(1 for b in table[: dead[name]] if b != NULL_BLOCK and pool.ref_counts[b] == 1)
+            if pool.num_free + freed < missing[name]:
+                return False
+        for g in self.plan.groups:
+            name, table = g.spec.name, req.tables[g.spec.name]
+            self.pools[name].free([b for b in table[: dead[name]] if b != NULL_BLOCK])
+            table[: dead[name]] = [NULL_BLOCK] * dead[name]
+            table.extend([NULL_BLOCK] * (self._first_kept(g, start) - len(table)))
+        new = self.pools.allocate(missing)
+        assert new is not None
+        for name, blocks in new.items():
+            req.tables[name].extend(blocks)
             assert len(req.tables[name]) == last + 1
         return True
-
-    def _recycle(self, req: _RequestBlocks, start: int) -> None:
-        for g in self.plan.groups:
-            if g.spec.kind is GroupKind.WINDOW:
-                table = req.tables[g.spec.name]
-                first = min(self._first_kept(g, start), len(table))
-                dead = [b for b in table[:first] if b != NULL_BLOCK]
-                if dead:
-                    self.pools[g.spec.name].free(dead)
-                    table[:first] = [NULL_BLOCK] * first
 
     def release(self, req_id: str) -> None:
         """Return every block of a finished, aborted or preempted request."""

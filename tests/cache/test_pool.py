@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve.cache.plan import build_plan
+from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from tests.cache.helpers import toy_specs
+
+
+def _pools(n: int = 4) -> BlockPoolSet:
+    return BlockPoolSet(build_plan(toy_specs(), 8, 2, 16, num_blocks=n), "cpu")
+
+
+def test_blocks_are_zeroed_when_handed_out_and_null_block_never_is() -> None:
+    pools = _pools()
+    pool = pools["win"]
+    got = pool.allocate(4)
+    assert NULL_BLOCK not in got and len(set(got)) == 4
+    pool.tensors[("l0", "kv")].fill_(7.0)
+    pool.free(got[:1])
+    again = pool.allocate(1)
+    rows = pool.tensors[("l0", "kv")].view(pool.num_blocks, 8, 2)[again[0]]
+    assert torch.all(rows == 0)
+
+
+def test_all_or_nothing_across_groups() -> None:
+    pools = _pools(4)
+    assert pools.allocate({"win": 3, "rows": 3}) is not None
+    before = {n: p.num_free for n, p in pools.pools.items()}
+    assert pools.allocate({"win": 1, "rows": 2}) is None
+    assert {n: p.num_free for n, p in pools.pools.items()} == before
+
+
+def test_double_free_is_caught() -> None:
+    pool = _pools()["rows"]
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([b])
+
+
+def test_uncached_blocks_are_reused_before_cached_ones() -> None:
+    pool = _pools(3)["rows"]
+    a, b, c = pool.allocate(3)
+    pool.publish(a, b"hash-a")
+    pool.free([a])  # cached: evictable
+    pool.free([b])  # plain free
+    assert pool.allocate(1) == [b]
+    assert pool.lookup(b"hash-a") == a
+    assert pool.allocate(1) == [a]  # only now is the cached block evicted
+    assert pool.lookup(b"hash-a") is None
+    pool.free([a, c])
+    pool.check_integrity()
