@@ -31,8 +31,8 @@ class KvCacheCoordinator:
     Logical block j covers tokens [j*B, (j+1)*B) in every group. History groups keep all their
     blocks; window groups keep the blocks covering the last ``window_tokens + lookback`` tokens
     before the next token to compute and recycle the rest (table entry set to the null block).
-    ``lookback`` keeps extra window context so that truncating up to that many tokens before the
-    last allocation's start stays possible (speculative rollback only truncates after it).
+    ``lookback`` keeps extra window context so that truncating to ``lookback`` tokens before the
+    furthest allocation start stays possible (speculative rollback never truncates before it).
     """
 
     def __init__(

@@ -23,7 +23,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.pools = BlockPoolSet(self.plan, "cpu")
         self.coord = KvCacheCoordinator(self.plan, self.pools, enable_prefix_caching=False, lookback=LOOKBACK)
         self.lengths: dict[str, int] = {}  # the reference: tokens each live request has written
-        self.starts: dict[str, int] = {}  # start of each request's last allocation
+        self.starts: dict[str, int] = {}  # furthest start of each request's allocations
         self.next_id = 0
 
     @rule(n=st.integers(1, 20))
@@ -42,7 +42,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def extend(self, data: st.DataObject, k: int) -> None:
         rid = data.draw(st.sampled_from(sorted(self.lengths)))
         if self.coord.allocate(rid, self.lengths[rid], self.lengths[rid] + k):
-            self.starts[rid] = self.lengths[rid]
+            self.starts[rid] = max(self.starts[rid], self.lengths[rid])
             self.lengths[rid] += k
 
     @precondition(lambda self: self.lengths)
