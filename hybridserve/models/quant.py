@@ -22,12 +22,21 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def _block(dim: int, blocks: int) -> int:
+    """Block edge of a scale grid: DeepSeek's 128, or an exact division of the dimension."""
+    if -(-dim // 128) == blocks:
+        return 128
+    if dim % blocks == 0:
+        return dim // blocks
+    raise ValueError(f"a scale grid of {blocks} blocks does not tile a dimension of {dim}")
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """-> bfloat16 weight of the logical shape."""
     s = _scale_values(scale)
     if weight.dtype == torch.float8_e4m3fn:
         out, n_in = weight.shape
-        bo, bi = -(-out // s.shape[0]), -(-n_in // s.shape[1])
+        bo, bi = _block(out, s.shape[0]), _block(n_in, s.shape[1])
         full = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :n_in]
         return (weight.float() * full).to(torch.bfloat16)
     if weight.dtype in (torch.int8, torch.uint8):

@@ -76,7 +76,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     recycled_below = max(0, self.starts[rid] - g.spec.window_tokens - LOOKBACK) // BLOCK
                     assert all(j >= recycled_below for j in live)
                     needed = max(0, n - g.spec.window_tokens) // BLOCK
-                    assert all(table[j] != NULL_BLOCK for j in range(needed, len(table))), (name, n, self.starts[rid], table)
+                    assert all(table[j] != NULL_BLOCK for j in range(needed, len(table))), (
+                        name,
+                        n,
+                        self.starts[rid],
+                        table,
+                    )
             assert len(held) == len(set(held)), f"{name}: a block is held twice"
             assert self.pools[name].num_used == len(held), f"{name}: leaked or lost blocks"
             self.pools[name].check_integrity()
