@@ -16,9 +16,6 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument(
-        "--seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed"
-    )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
@@ -35,7 +32,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
-        seed=args.sample_seed,
         ignore_eos=args.ignore_eos,
     )
     for prompt, out in zip(args.prompts, llm.generate(args.prompts, params), strict=True):

@@ -38,7 +38,5 @@ def test_builtin_deepseek_chat_format(tiny_checkpoint: Callable[[str], Path]) ->
             {"role": "user", "content": "Again"},
         ]
     )
-    assert (
-        text
-        == "<bos>Be brief.<｜User｜>Hi<｜Assistant｜>Hello.<｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>"
-    )
+    expected = "<bos>Be brief.<｜User｜>Hi<｜Assistant｜>Hello.<｜end▁of▁sentence｜>"
+    assert text == expected + "<｜User｜>Again<｜Assistant｜>"
