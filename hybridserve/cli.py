@@ -67,6 +67,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridserve.server.launch import serve
+
+    _set_threads(args.num_threads)
+    return serve(args)
+
+
 def _set_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
@@ -76,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+        "serve": (cmd_serve, "start the OpenAI-compatible server"),
         "generate": (cmd_generate, "complete prompts offline"),
         "plan": (cmd_plan, "print the cache plan for a model and memory budget"),
     }
@@ -86,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             _sampling_args(p)
             p.add_argument("prompts", nargs="+")
+        if name == "serve":
+            from hybridserve.server.args import add_server_args
+
+            add_server_args(p)
     return parser
 
 

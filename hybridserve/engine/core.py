@@ -20,6 +20,10 @@ from hybridserve.models.loader import load_model, read_config
 class RequestRejected(ValueError):
     """A request that can never be served as asked (too long, bad token ids, duplicate id)."""
 
+    def __init__(self, message: str, code: str = "invalid_prompt") -> None:
+        super().__init__(message)
+        self.code = code
+
 
 @dataclass
 class EngineCoreOutput:
@@ -74,7 +78,7 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self._validate(request)
+        self.validate(request)
         request.max_tokens = request.params.max_tokens or self.max_request_tokens - len(
             request.prompt_token_ids
         )
@@ -82,7 +86,8 @@ class EngineCore:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise RequestRejected if ``request`` can never be served as asked."""
         ids = request.prompt_token_ids
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
@@ -98,7 +103,8 @@ class EngineCore:
                 f"prompt has {len(ids):,} tokens and max_tokens is {request.params.max_tokens or 0:,}: "
                 f"{total:,} in all, but this server holds at most {limit:,} per request "
                 f"(max_model_len {self.max_model_len:,}, KV pool {self.plan.max_request_tokens():,}; "
-                f"shorten the prompt, lower max_tokens, or raise --kv-cache-memory / --max-model-len)"
+                f"shorten the prompt, lower max_tokens, or raise --kv-cache-memory / --max-model-len)",
+                code="context_length_exceeded",
             )
 
     def abort_request(self, request_id: str) -> bool:

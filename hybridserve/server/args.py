@@ -1,0 +1,33 @@
+"""``hybridserve serve`` flags beyond the engine's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--host", default=env("HYBRIDSERVE_HOST", "127.0.0.1"), help="bind address (loopback)"
+    )
+    parser.add_argument("--port", type=int, default=int(env("HYBRIDSERVE_PORT", "8000")))
+    parser.add_argument("--api-key", default=env("HYBRIDSERVE_API_KEY"), help="require 'Bearer KEY' on /v1/*")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: folder name)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(env("HYBRIDSERVE_MAX_QUEUE", "256")),
+        help="waiting requests beyond this get 429 with Retry-After",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

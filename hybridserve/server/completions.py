@@ -1,0 +1,168 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.request import RequestOutput, SampleLogprobs
+from hybridserve.server.errors import APIError
+from hybridserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from hybridserve.server.serving import (
+    ServerSettings,
+    admit,
+    check_model,
+    fan_out,
+    new_id,
+    sampling_params,
+    submit,
+    usage,
+)
+from hybridserve.server.streams import sse, unless_disconnected
+from hybridserve.tokenizer import Tokenizer
+
+
+def _prompts(
+    body: CompletionRequest, tokenizer: Tokenizer | None
+) -> tuple[list[list[int]], list[str | None]]:
+    p = body.prompt
+    items: list[str | list[int]]
+    if isinstance(p, str):
+        items = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+            ids.append(tokenizer.encode(item))
+            texts.append(item)
+        else:
+            ids.append(list(item))
+            texts.append(tokenizer.decode(list(item)) if tokenizer is not None else None)
+    return ids, texts
+
+
+def _unsupported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+
+
+def _logprobs(
+    entries: SampleLogprobs | None, token_ids: list[int], tokenizer: Tokenizer | None, offset: int
+) -> CompletionLogprobs | None:
+    if entries is None:
+        return None
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, entries, strict=False):
+        text = entry[tok].decoded_token or (tokenizer.token_text(tok) if tokenizer else str(tok))
+        out.tokens.append(text)
+        out.token_logprobs.append(entry[tok].logprob)
+        out.top_logprobs.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def create_completion(
+    body: CompletionRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
+) -> Response:
+    check_model(body, settings)
+    _unsupported(body)
+    prompts, texts = _prompts(body, llm.tokenizer)
+    params = sampling_params(body, settings, body.max_tokens, body.logprobs)
+    base = new_id("cmpl")
+    requests = fan_out(base, prompts, params, body.n, texts)
+    admit(llm, settings, requests)
+    outputs = await submit(llm, requests)
+    if body.stream:
+        return StreamingResponse(
+            _stream(body, base, prompts, texts, requests, outputs, llm), media_type="text/event-stream"
+        )
+
+    async def collect() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(len(requests))]
+
+    try:
+        finals = await unless_disconnected(raw, collect)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    if finals is None:
+        return Response(status_code=499)
+    choices = []
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        echo = (texts[i // body.n] or "") if body.echo else ""
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=echo + c.text,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=_logprobs(c.logprobs, c.token_ids, llm.tokenizer, 0),
+            )
+        )
+    response = CompletionResponse(
+        id=base, model=settings.model_name, choices=choices, usage=usage(prompts, finals, body.n)
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _stream(
+    body: CompletionRequest,
+    base: str,
+    prompts: list[list[int]],
+    texts: list[str | None],
+    requests: list,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    llm: AsyncLLM,
+) -> AsyncIterator[str]:
+    finals: dict[int, RequestOutput] = {}
+    offsets = [0] * len(requests)
+    model = body.model
+    if body.echo:
+        for i in range(len(requests)):
+            echo = texts[i // body.n] or ""
+            offsets[i] = len(echo)
+            yield sse(
+                CompletionResponse(id=base, model=model, choices=[CompletionChoice(index=i, text=echo)])
+            )
+    async for i, out in outputs:
+        c = out.outputs[0]
+        if out.finished:
+            finals[i] = out
+        if not out.new_text and not out.finished and not (body.logprobs is not None and out.new_token_ids):
+            continue
+        new_entries = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
+        lp = _logprobs(new_entries, out.new_token_ids, llm.tokenizer, offsets[i])
+        offsets[i] += len(out.new_text)
+        choice = CompletionChoice(
+            index=i, text=out.new_text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+        )
+        yield sse(CompletionResponse(id=base, model=model, choices=[choice]))
+    if body.stream_options and body.stream_options.include_usage:
+        ordered = [finals[i] for i in range(len(requests))]
+        yield sse(CompletionResponse(id=base, model=model, choices=[], usage=usage(prompts, ordered, body.n)))
+    yield sse("[DONE]")

@@ -1,0 +1,104 @@
+"""Prometheus metrics: engine state read at scrape time, latencies recorded as requests finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
+from hybridserve.engine.request import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        llm = self.metrics.llm
+        if llm is None:
+            return
+        core = llm.core
+        yield _gauge(
+            "hybridserve_num_requests_running", "requests running in the engine", len(core.scheduler.running)
+        )
+        yield _gauge("hybridserve_num_requests_waiting", "requests waiting to start", llm.num_waiting)
+        used = GaugeMetricFamily("hybridserve_kv_blocks_used", "KV cache blocks in use", labels=["group"])
+        total = GaugeMetricFamily("hybridserve_kv_blocks_total", "usable KV cache blocks", labels=["group"])
+        cached = GaugeMetricFamily(
+            "hybridserve_kv_blocks_cached", "blocks findable by prefix", labels=["group"]
+        )
+        for name, pool in core.pools.pools.items():
+            used.add_metric([name], pool.num_used)
+            total.add_metric([name], pool.plan.usable_blocks)
+            cached.add_metric([name], pool.num_cached)
+        yield from (used, total, cached)
+        s = core.scheduler
+        yield _counter("hybridserve_prompt_tokens", "prompt tokens admitted", s.prompt_tokens)
+        yield _counter("hybridserve_generation_tokens", "tokens generated", core.stats.generation_tokens)
+        yield _counter(
+            "hybridserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.prompt_tokens
+        )
+        yield _counter(
+            "hybridserve_prefix_cache_hits", "prompt tokens found in the prefix cache", s.prefix_hit_tokens
+        )
+        yield _counter("hybridserve_num_preemptions", "requests preempted for recompute", s.num_preemptions)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.llm: AsyncLLM | None = None
+        self.registry.register(_EngineCollector(self))
+        self.ttft = Histogram(
+            "hybridserve_time_to_first_token_seconds",
+            "time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "hybridserve_inter_token_latency_seconds",
+            "time between output chunks",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "hybridserve_e2e_request_latency_seconds",
+            "arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "hybridserve_requests_finished", "finished requests", ["finish_reason"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "hybridserve_requests_rejected", "requests refused", ["status"], registry=self.registry
+        )
+
+    def attach(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        llm.on_finish.append(self.observe)
+
+    def observe(self, out: RequestOutput, timing: RequestTiming | None) -> None:
+        self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+        if timing is None or timing.first_token is None or timing.last_token is None:
+            return
+        self.ttft.observe(timing.first_token - timing.arrival)
+        self.e2e.observe(timing.last_token - timing.arrival)
+        for gap in timing.token_gaps:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,158 @@
+"""The FastAPI app: OpenAI endpoints, health, metrics, admin; API key and size limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request as HTTPRequest
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
+from hybridserve.engine.request import RequestOutput
+from hybridserve.server.chat import create_chat_completion
+from hybridserve.server.completions import create_completion
+from hybridserve.server.errors import APIError, error_response, install_error_handlers
+from hybridserve.server.limits import BodySizeLimit
+from hybridserve.server.metrics import ServerMetrics
+from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridserve.server.serving import ServerSettings
+
+log = logging.getLogger("hybridserve.server")
+
+
+class AppState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.llm: AsyncLLM | None = None
+        self.load_error: BaseException | None = None
+
+    def engine(self) -> AsyncLLM:
+        """The running engine, or 503 while it loads or after it failed."""
+        failure = self.load_error or (self.llm.errored if self.llm is not None else None)
+        if failure is not None:
+            raise APIError(503, f"the engine failed: {failure}", code="engine_failed")
+        if self.llm is None or not self.llm.ready:
+            raise APIError(503, "the engine is loading", code="engine_not_ready")
+        return self.llm
+
+
+def _log_finished(out: RequestOutput, timing: RequestTiming | None) -> None:
+    c = out.outputs[0]
+    ttft = f"{timing.first_token - timing.arrival:.3f}s" if timing and timing.first_token else "-"
+    log.info(
+        "request %s: prompt %d tokens, completion %d tokens, ttft %s, finish %s",
+        out.request_id,
+        len(out.prompt_token_ids),
+        len(c.token_ids),
+        ttft,
+        c.finish_reason,
+    )
+
+
+def build_app(
+    config: EngineConfig, settings: ServerSettings, make_engine: Callable[[EngineConfig], AsyncLLM] = AsyncLLM
+) -> FastAPI:
+    state = AppState(settings)
+
+    async def load() -> None:
+        try:
+            llm = await asyncio.to_thread(make_engine, config)
+            llm.start()
+            llm.on_finish.append(_log_finished)
+            state.metrics.attach(llm)
+            state.llm = llm
+            _log_startup(llm, settings)
+        except Exception as exc:
+            log.exception("could not start the engine")
+            state.load_error = exc
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        yield
+        await asyncio.wait({loading})
+        if state.llm is not None:
+            await asyncio.to_thread(state.llm.shutdown)
+
+    app = FastAPI(title="hybridserve", lifespan=lifespan)
+    app.state.hs = state
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app, on_error=lambda status: state.metrics.rejected.labels(str(status)).inc())
+    _routes(app, state)
+    return app
+
+
+def _log_startup(llm: AsyncLLM, settings: ServerSettings) -> None:
+    core = llm.core
+    log.info(
+        "model %s (%s) on %s, dtype %s; cache: %d tokens per request at most, %s",
+        settings.model_name,
+        llm.config.model,
+        core.device,
+        str(core.dtype).removeprefix("torch."),
+        core.max_request_tokens,
+        f"{core.plan.total_bytes / 2**20:.1f} MiB in {len(core.plan.groups)} groups",
+    )
+
+
+def _routes(app: FastAPI, state: AppState) -> None:
+    def auth(request: HTTPRequest) -> None:
+        key = state.settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not secrets.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+            )
+
+    guarded: Any = [Depends(auth)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.engine()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> JSONResponse:
+        llm = state.engine()
+        card = ModelCard(
+            id=state.settings.model_name, root=llm.config.model, max_model_len=llm.core.max_request_tokens
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, raw: HTTPRequest) -> Response:
+        return await create_completion(body, raw, state.engine(), state.settings)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
+        return await create_chat_completion(body, raw, state.engine(), state.settings)
+
+    @app.post("/v1/requests/{request_id}/abort", dependencies=guarded)
+    async def abort(request_id: str) -> JSONResponse:
+        llm = state.engine()
+        aborted = [r for r in llm.request_ids() if r == request_id or r.startswith(request_id + "-")]
+        for r in aborted:
+            llm.abort(r)
+        if not aborted:
+            return error_response(404, f"no running request {request_id!r}", code="request_not_found")
+        return JSONResponse({"id": request_id, "aborted": len(aborted)})
+
+    @app.post("/v1/cache/reset", dependencies=guarded)
+    async def reset_cache() -> JSONResponse:
+        await state.engine().reset_prefix_cache()
+        return JSONResponse({"reset": True})

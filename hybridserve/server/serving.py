@@ -1,0 +1,134 @@
+"""What both endpoints share: settings, sampling defaults, request fan-out, admission, usage."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.core import RequestRejected
+from hybridserve.engine.request import Request, RequestOutput, SamplingParams
+from hybridserve.server.errors import APIError
+from hybridserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+from hybridserve.server.streams import merge
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 256
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: str) -> dict[str, Any]:
+    """Sampling defaults the checkpoint recommends (``generation_config.json``), as vLLM applies them."""
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    return {k: cfg[k] for k in _DEFAULTABLE if cfg.get(k) is not None}
+
+
+def sampling_params(
+    body: _SamplingFields, settings: ServerSettings, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(body, name)
+        return value if value is not None else settings.generation_defaults.get(name, fallback)
+
+    try:
+        return SamplingParams(
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=list(body.stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def check_model(body: _SamplingFields, settings: ServerSettings) -> None:
+    if body.model != settings.model_name:
+        raise APIError(
+            400,
+            f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def fan_out(
+    base_id: str, prompts: list[list[int]], params: SamplingParams, n: int, texts: list[str | None]
+) -> list[Request]:
+    """One engine request per (prompt, choice); choices of one prompt get consecutive seeds."""
+    requests = []
+    for i, (ids, text) in enumerate(zip(prompts, texts, strict=True)):
+        for j in range(n):
+            p = params if params.seed is None or j == 0 else _with_seed(params, params.seed + j)
+            requests.append(Request(f"{base_id}-{i}-{j}", list(ids), p, prompt=text))
+    return requests
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> None:
+    """Refuse what can never run (400) and what the queue has no room for (429)."""
+    for r in requests:
+        try:
+            llm.check(r)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc), param="prompt", code=exc.code) from exc
+    if llm.num_waiting + len(requests) > settings.max_queue:
+        raise APIError(
+            429,
+            f"the server is at capacity ({llm.num_waiting} requests waiting, limit "
+            f"{settings.max_queue}); retry later",
+            code="queue_full",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
+
+
+async def submit(llm: AsyncLLM, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Queue every request now (right after ``admit``, with no await between that could let another
+    handler in) and return their merged outputs."""
+    return merge([await llm.submit(r) for r in requests])
+
+
+def usage(prompts: list[list[int]], finals: list[RequestOutput], n: int) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    cached = sum(finals[i * n].num_cached_tokens for i in range(len(prompts)) if i * n < len(finals))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
