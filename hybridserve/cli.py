@@ -60,6 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config.max_num_batched_tokens,
         memory_bytes=config.kv_cache_bytes,
         num_blocks=config.num_blocks,
+        window_cache_share=config.window_cache_share if config.enable_prefix_caching else 0.0,
     )
     length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
     print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")

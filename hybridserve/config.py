@@ -72,6 +72,10 @@ class EngineConfig:
         default=None, metadata={"help": "blocks per cache group (overrides memory)"}
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+    window_cache_share: float = field(
+        default=0.25,
+        metadata={"help": "share of spare cache memory that keeps window context of cached prefixes"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
 
     def __post_init__(self) -> None:
@@ -132,7 +136,7 @@ class EngineConfig:
 
 
 def _field_type(f: dataclasses.Field[Any]) -> Any:
-    return int if "int" in str(f.type) else str
+    return {"float": float, "int": int}.get(str(f.type).split(" ")[0], str)
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

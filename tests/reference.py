@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -17,15 +19,35 @@ def reference_model(folder: Path, dtype: str = "float32") -> Any:
     return load_reference(folder, dtype)
 
 
+@contextmanager
+def stable_indexer_topk() -> Iterator[None]:
+    """Make the reference's indexer break exact top-k ties by row number, as hybridserve does.
+
+    transformers calls ``Tensor.topk`` only in the Lightning Indexer (its router uses
+    ``torch.topk``), so this changes nothing but the order of exactly tied rows.
+    """
+    original = torch.Tensor.topk
+
+    def stable(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = stable  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+
+
 @cache
-def _greedy(folder: Path, dtype: str, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+def _greedy(folder: Path, dtype: str, prompt: tuple[int, ...], max_new: int, stable: bool) -> tuple[int, ...]:
     from transformers import DynamicCache
 
     model = reference_model(folder, dtype)
     cache_ = DynamicCache(config=model.config)
     tokens: list[int] = []
     step = list(prompt)
-    with torch.no_grad():
+    with torch.no_grad(), stable_indexer_topk() if stable else nullcontext():
         for _ in range(max_new):
             logits = model(torch.tensor([step]), past_key_values=cache_, use_cache=True).logits
             step = [int(logits[0, -1].argmax())]
@@ -33,10 +55,12 @@ def _greedy(folder: Path, dtype: str, prompt: tuple[int, ...], max_new: int) -> 
     return tuple(tokens)
 
 
-def reference_greedy(folder: Path, prompt: list[int], max_new: int, dtype: str = "float32") -> list[int]:
+def reference_greedy(
+    folder: Path, prompt: list[int], max_new: int, dtype: str = "float32", stable_ties: bool = False
+) -> list[int]:
     """Greedy continuation of one prompt: prefill in one shot, then one token at a time, no stopping
     (``generate``'s ``min_new_tokens`` would mask EOS, which ``ignore_eos`` does not)."""
-    return list(_greedy(folder, dtype, tuple(prompt), max_new))
+    return list(_greedy(folder, dtype, tuple(prompt), max_new, stable_ties))
 
 
 def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
@@ -53,27 +77,6 @@ def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch
             out.append(logits[0])
             pos += c
     return torch.cat(out)
-
-
-def replay(model: Any, token_ids: list[int], schedule: list[tuple[int, int]]) -> list[int]:
-    """Teacher-forced replay of an engine schedule of (start, n) chunks; argmax after each chunk.
-
-    A chunk starting at 0 after others means the request was preempted and recomputed: the
-    reference restarts from an empty cache too.
-    """
-    from transformers import DynamicCache
-
-    picks: list[int] = []
-    cache_ = None
-    with torch.no_grad():
-        for start, n in schedule:
-            if start == 0 or cache_ is None:
-                cache_ = DynamicCache(config=model.config)
-            logits = model(
-                torch.tensor([token_ids[start : start + n]]), past_key_values=cache_, use_cache=True
-            ).logits
-            picks.append(int(logits[0, -1].argmax()))
-    return picks
 
 
 @dataclass

@@ -110,9 +110,11 @@ class KvCacheCoordinator:
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        for name, table in req.tables.items():
-            # Tail first, so that the LRU evicts the ends of prefixes before their beginnings.
-            self.pools[name].free(table[::-1])
+        for g in self.plan.groups:
+            table = req.tables[g.spec.name]
+            # LRU order: a history prefix is worth most at its start, so its tail is freed first (and
+            # evicted first); a window group's last blocks are the context a hit at the end needs.
+            self.pools[g.spec.name].free(table[::-1] if g.spec.kind is GroupKind.HISTORY else table)
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget tokens from ``num_tokens`` on (speculative rollback); frees blocks past the end."""
@@ -159,7 +161,7 @@ class KvCacheCoordinator:
         hit = PrefixHit(num_tokens=end)
         for g in self.plan.groups:
             pool = self.pools[g.spec.name]
-            first = self._first_kept(g, end)
+            first = self._first_needed(g, end)
             table = [NULL_BLOCK] * first
             for j in range(first, n):
                 block = pool.lookup(hashes[j])

@@ -106,12 +106,13 @@ def build_plan(
     max_num_batched_tokens: int,
     memory_bytes: int | None = None,
     num_blocks: int | None = None,
+    window_cache_share: float = 0.0,
 ) -> CachePlan:
     """Size every group's pool from a byte budget, or give every group ``num_blocks`` blocks.
 
     With a byte budget, window groups get enough blocks for ``max_num_seqs`` requests decoding plus
-    one full prefill budget; the rest of the memory goes to history groups so that each of them holds
-    the same number of tokens.
+    one full prefill budget, and ``window_cache_share`` of the rest so that cached prefixes keep the
+    window context a hit needs; history groups share what is left so that each holds as many tokens.
     """
     for s in specs:
         if block_tokens % s.stride:
@@ -123,51 +124,49 @@ def build_plan(
     if num_blocks is not None:
         counts = {s.name: num_blocks + 1 for s in specs}
     elif memory_bytes is not None:
-        counts = _blocks_from_budget(
-            specs, rows, block_tokens, max_num_seqs, max_num_batched_tokens, memory_bytes
-        )
+        budget = _Budget(specs, rows, block_tokens, memory_bytes)
+        counts = budget.split(max_num_seqs, max_num_batched_tokens, window_cache_share)
     else:
         raise CachePlanError("give either a memory budget or a number of blocks")
     groups = tuple(GroupPlan(s, rows[s.name], counts[s.name]) for s in specs)
     return CachePlan(block_tokens, groups, max_num_batched_tokens)
 
 
-def _blocks_from_budget(
-    specs: list[CacheGroupSpec],
-    rows: dict[str, int],
-    block_tokens: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    memory_bytes: int,
-) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    used = 0
-    for s in specs:
-        if s.kind is GroupKind.WINDOW:
-            per_seq = math.ceil(s.window_tokens / block_tokens) + 2
-            counts[s.name] = 1 + max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_tokens)
-            used += counts[s.name] * rows[s.name] * s.row_bytes
-    history = [s for s in specs if s.kind is GroupKind.HISTORY]
-    left = memory_bytes - used
-    if history:
-        per_block = sum(rows[s.name] * s.row_bytes for s in history)
-        n = left // per_block
-        if n < 2:
+class _Budget:
+    def __init__(
+        self, specs: list[CacheGroupSpec], rows: dict[str, int], block_tokens: int, memory: int
+    ) -> None:
+        self.block_tokens, self.memory = block_tokens, memory
+        self.window = [s for s in specs if s.kind is GroupKind.WINDOW]
+        self.history = [s for s in specs if s.kind is GroupKind.HISTORY]
+        self.block_bytes = {s.name: rows[s.name] * s.row_bytes for s in specs}
+
+    def _bytes(self, group: list[CacheGroupSpec]) -> int:
+        return sum(self.block_bytes[s.name] for s in group)
+
+    def split(self, max_num_seqs: int, max_num_batched_tokens: int, cache_share: float) -> dict[str, int]:
+        counts = {}
+        for s in self.window:
+            per_seq = math.ceil(s.window_tokens / self.block_tokens) + 2
+            counts[s.name] = (
+                1 + max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / self.block_tokens)
+            )
+        used = sum(counts[s.name] * self.block_bytes[s.name] for s in self.window)
+        left = self.memory - used
+        if left < 0 or (self.history and left < 2 * self._bytes(self.history)):
             raise CachePlanError(
-                f"KV cache budget {_fmt_bytes(memory_bytes)} leaves no room for history blocks after "
-                f"{_fmt_bytes(used)} of window state for {max_num_seqs} sequences "
+                f"KV cache budget {_fmt_bytes(self.memory)} does not cover the {_fmt_bytes(used)} of window "
+                f"state for {max_num_seqs} sequences plus history blocks "
                 f"(raise --kv-cache-memory or lower --max-num-seqs)"
             )
-        counts.update({s.name: int(n) for s in history})
-    elif left > 0:
-        scale = memory_bytes / max(used, 1)
-        counts = {k: int(v * scale) for k, v in counts.items()}
-    elif left < 0:
-        raise CachePlanError(
-            f"KV cache budget {_fmt_bytes(memory_bytes)} is below the {_fmt_bytes(used)} of window state "
-            f"needed for {max_num_seqs} sequences (raise --kv-cache-memory or lower --max-num-seqs)"
-        )
-    return counts
+        share = cache_share if self.history else 1.0
+        extra = int(left * share) // max(self._bytes(self.window), 1) if self.window else 0
+        counts.update({s.name: counts[s.name] + extra for s in self.window})
+        left -= extra * self._bytes(self.window)
+        if self.history:
+            n = left // self._bytes(self.history)
+            counts.update({s.name: int(n) for s in self.history})
+        return counts
 
 
 def _fmt_bytes(n: float) -> str:

@@ -69,6 +69,7 @@ class EngineCore:
             self.config.max_num_batched_tokens,
             memory_bytes=self.config.kv_cache_bytes,
             num_blocks=self.config.num_blocks,
+            window_cache_share=self.config.window_cache_share if self.config.enable_prefix_caching else 0.0,
         )
 
     @property

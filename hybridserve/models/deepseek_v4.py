@@ -98,16 +98,11 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.heads**-0.5
         scores = torch.matmul(q, keys.float().transpose(1, 2)).relu_() * self.dim**-0.5  # [T, H, N]
         scores = (scores * w[..., None]).sum(dim=1).masked_fill(~meta.read_visible, float("-inf"))
+        # A stable sort breaks exact ties (common: ReLU zeros) by row number, so the choice does not
+        # depend on chunking, batching or prefix reuse; invisible rows (-inf) sort last.
         k = min(self.topk, scores.shape[1])
-        picked = torch.zeros(scores.shape[0], k, dtype=torch.long, device=scores.device)
-        for tokens, length in meta.topk_groups:
-            kk = min(self.topk, length)
-            if kk:
-                picked[tokens, :kk] = scores[tokens, :length].topk(kk, dim=-1).indices
-            if kk < k:
-                picked[tokens, kk:] = length  # past every visible row: never selected
-        ok = picked < (meta.read_visible.sum(dim=1, keepdim=True))
-        return picked, ok
+        picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        return picked, picked < meta.read_visible.sum(dim=1, keepdim=True)
 
 
 class Attention(nn.Module):

@@ -33,7 +33,6 @@ class CompressedMeta:
     row_slots: torch.Tensor  # [Nw] history-group slot of each new row
     read_slots: torch.Tensor  # [T, N] slots of rows 0..N-1 of each token's request
     read_visible: torch.Tensor  # [T, N] row w visible to the token
-    topk_groups: list[tuple[torch.Tensor, int]]  # (tokens, rows the reference scores) for the indexer
 
 
 @dataclass
@@ -94,16 +93,4 @@ def _compressed(batch: ForwardBatch, m: int, state: str, rows: str, overlap: boo
         row_slots=batch.slots(rows, m, w, req[done]),
         read_slots=per_req[req],
         read_visible=row_ids[None] < visible_rows[:, None],
-        topk_groups=_topk_groups(batch, m) if overlap else [],
     )
-
-
-def _topk_groups(batch: ForwardBatch, m: int) -> list[tuple[torch.Tensor, int]]:
-    """Group tokens by how many rows the reference's indexer scores for their request.
-
-    transformers scores every row its cache holds after the chunk (seq_end // m), future rows
-    masked; calling top-k on vectors of exactly that length keeps its tie order.
-    """
-    lengths = (batch.seq_ends // m)[batch.req_indices]
-    values, inverse = torch.unique(lengths, return_inverse=True)
-    return [(torch.nonzero(inverse == i).flatten(), int(v)) for i, v in enumerate(values.tolist())]

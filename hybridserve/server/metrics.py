@@ -47,6 +47,8 @@ class _EngineCollector(Collector):
             "hybridserve_prefix_cache_hits", "prompt tokens found in the prefix cache", s.prefix_hit_tokens
         )
         yield _counter("hybridserve_num_preemptions", "requests preempted for recompute", s.num_preemptions)
+        rate = s.prefix_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -95,3 +95,84 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class PrefixSharingMachine(RuleBasedStateMachine):
+    """Publishing, probing, sharing and eviction mixed with extends and releases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=20)
+        self.pools = BlockPoolSet(plan, "cpu")
+        self.coord = KvCacheCoordinator(plan, self.pools, enable_prefix_caching=True)
+        self.tokens: dict[str, list[int]] = {}
+        self.next_id = 0
+        self.was_reset = False  # a reset unpublishes blocks that running requests still share
+
+    def _run(self, rid: str, start: int, tokens: list[int]) -> bool:
+        if not self.coord.allocate(rid, start, len(tokens)):
+            return False
+        self.coord.publish(rid, tokens, len(tokens))
+        self.tokens[rid] = tokens
+        return True
+
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=14))
+    def admit(self, data: st.DataObject, extra: list[int]) -> None:
+        base: list[int] = []
+        if self.tokens:
+            donor = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
+            base = donor[: data.draw(st.integers(0, len(donor)))]
+        tokens = base + extra
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        hit = self.coord.probe(tokens)
+        assert hit.num_tokens % BLOCK == 0 and hit.num_tokens < len(tokens)
+        if hit.num_tokens:
+            self.coord.admit_prefix(rid, hit, tokens)
+        if not self._run(rid, hit.num_tokens, tokens):
+            self.coord.release(rid)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def extend(self, data: st.DataObject, extra: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self._run(rid, len(self.tokens[rid]), self.tokens[rid] + extra)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.coord.release(rid)
+        del self.tokens[rid]
+
+    @rule()
+    def reset(self) -> None:
+        self.coord.reset_prefix_cache()
+        self.was_reset = True
+
+    @invariant()
+    def refcounts_equal_references(self) -> None:
+        for name, pool in self.pools.pools.items():
+            refs: dict[int, int] = {}
+            for rid in self.tokens:
+                table = [b for b in self.coord.block_tables(rid)[name] if b != NULL_BLOCK]
+                assert len(table) == len(set(table)), f"{name}: a block twice in one table"
+                for b in table:
+                    refs[b] = refs.get(b, 0) + 1
+            for b in range(1, pool.num_blocks):
+                assert pool.ref_counts[b] == refs.get(b, 0), f"{name}: block {b} refcount"
+                if refs.get(b, 0) > 1 and not self.was_reset:
+                    assert pool.block_hash[b] is not None, f"{name}: unpublished block {b} shared"
+            pool.check_integrity()
+
+    def teardown(self) -> None:
+        for rid in list(self.tokens):
+            self.coord.release(rid)
+        self.coord.reset_prefix_cache()
+        assert self.pools.all_free()
+        assert all(p.num_cached == 0 for p in self.pools.pools.values())
+        self.pools.check_integrity()
+
+
+TestPrefixSharing = PrefixSharingMachine.TestCase
+TestPrefixSharing.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -161,3 +161,27 @@ def test_streamed_text_is_whole_characters(client: openai.OpenAI, server: Server
     whole = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
     pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs)]  # type: ignore
     assert "".join(pieces) == whole
+
+
+def test_prefix_hits_show_in_usage_and_metrics_and_reset_clears_them(
+    client: openai.OpenAI, server: Server
+) -> None:
+    prompt = "It is a truth universally acknowledged, that a single man " * 3
+    kwargs = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    cold = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    hits_before = server.metrics()["hybridserve_prefix_cache_hits_total"]
+    warm = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert cold.usage is not None and warm.usage is not None and warm.usage.prompt_tokens_details is not None
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= warm.usage.prompt_tokens - 8 and cached % 8 == 0
+    assert warm.choices[0].text == cold.choices[0].text
+    m = server.metrics()
+    assert m["hybridserve_prefix_cache_hits_total"] == hits_before + cached
+    assert 0 < m["hybridserve_prefix_cache_hit_rate"] <= 1
+    assert httpx.post(f"{server.url}/v1/cache/reset").status_code == 401
+    assert httpx.post(
+        f"{server.url}/v1/cache/reset", headers={"Authorization": f"Bearer {API_KEY}"}
+    ).json() == {"reset": True}
+    after = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert after.usage is not None and after.usage.prompt_tokens_details is not None
+    assert after.usage.prompt_tokens_details.cached_tokens == 0

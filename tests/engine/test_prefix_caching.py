@@ -1,0 +1,104 @@
+"""Prefix caching against a radix-tree oracle, and outputs identical to caching off."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.cache.coordinator import PrefixHit
+from hybridserve.engine.core import EngineCore
+from hybridserve.engine.request import Request
+from tests.cache.radix_oracle import RadixOracle
+from tests.tiny_models import VOCAB
+
+BLOCK = 8
+
+
+def _workload(seed: int, n: int) -> list[list[int]]:
+    """Shared prefixes of a few lengths, diverging inside blocks and exactly at block edges."""
+    rng = random.Random(seed)
+    roots = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([17, 24, 40, 61]))] for _ in range(4)]
+    prompts = []
+    for _ in range(n):
+        root = rng.choice(roots)
+        cut = rng.choice([len(root), 16, 24, rng.randrange(1, len(root) + 1)])
+        prompts.append(root[:cut] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(0, 12))])
+    return prompts
+
+
+def _run_with_oracle(
+    core: EngineCore, prompts: list[list[int]], max_tokens: int, arrivals: int
+) -> list[list[int]]:
+    """Feed prompts a few at a time; every prefix probe must find what the oracle says is reusable."""
+    oracle = RadixOracle(BLOCK)
+    probe = core.coordinator.probe
+    probes: list[int] = []
+
+    def checked_probe(tokens: list[int]) -> PrefixHit:
+        expected = oracle.expected_hit(tokens, core.coordinator)
+        hit = probe(tokens)
+        assert hit.num_tokens == expected, f"hit {hit.num_tokens}, oracle {expected}"
+        probes.append(hit.num_tokens)
+        return hit
+
+    core.coordinator.probe = checked_probe  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
+    pending = list(requests)
+    while pending or core.has_unfinished_requests():
+        for r in pending[:arrivals]:
+            core.add_request(r)
+        pending = pending[arrivals:]
+        core.step()
+        for r in requests:
+            oracle.insert(r.all_token_ids[: r.num_computed_tokens])
+    assert len(probes) >= len(prompts) and any(probes)
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize(("num_blocks", "seqs"), [(None, 4), (20, 6)], ids=["roomy", "evicting"])
+def test_hits_equal_the_radix_oracle_and_outputs_equal_caching_off(
+    tiny_checkpoint: Callable[[str], Path], num_blocks: int | None, seqs: int
+) -> None:
+    folder = str(tiny_checkpoint("mixed"))
+    prompts = _workload(seed=3, n=24)
+    kw = dict(block_tokens=BLOCK, max_num_seqs=seqs, max_num_batched_tokens=24, num_blocks=num_blocks)
+    cached = LLM(folder, **kw)
+    got = _run_with_oracle(cached.engine, prompts, max_tokens=10, arrivals=3)
+    plain = LLM(folder, enable_prefix_caching=False, **kw)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert cached.engine.scheduler.prefix_hit_tokens > 0
+    if num_blocks is not None:
+        assert cached.engine.scheduler.num_preemptions > 0 or any(
+            p.num_cached < p.plan.usable_blocks for p in cached.engine.pools.pools.values()
+        )
+    cached.engine.reset_prefix_cache()
+    assert cached.engine.pools.all_free() and all(
+        p.num_cached == 0 for p in cached.engine.pools.pools.values()
+    )
+    cached.engine.pools.check_integrity()
+
+
+@pytest.mark.parametrize("model_name", ["mixed", "csa_heavy"])
+@pytest.mark.parametrize("seqs", [1, 16])
+def test_greedy_with_caching_equals_without(
+    tiny_checkpoint: Callable[[str], Path], model_name: str, seqs: int
+) -> None:
+    folder = str(tiny_checkpoint(model_name))
+    prompts = _workload(seed=seqs, n=20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(block_tokens=BLOCK, max_num_seqs=seqs, max_num_batched_tokens=32)
+    on = LLM(folder, **kw)
+    first = on.generate(prompts, params)
+    second = on.generate(prompts, params)  # now mostly cached, including generated tokens
+    off = LLM(folder, enable_prefix_caching=False, **kw).generate(prompts, params)
+    tokens = [o.outputs[0].token_ids for o in off]
+    assert [o.outputs[0].token_ids for o in first] == tokens
+    assert [o.outputs[0].token_ids for o in second] == tokens
+    # the second pass finds every full block of every prompt cached (at least one token is left to run)
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
