@@ -68,6 +68,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hybridserve.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from hybridserve.server.launch import serve
 
@@ -99,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
+    from hybridserve.bench.args import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(fn=cmd_bench)
     return parser
 
 
