@@ -22,6 +22,7 @@ class PrefixHit:
 class _RequestBlocks:
     tables: dict[str, list[int]]
     hashes: list[bytes] = field(default_factory=list)
+    recycled: dict[str, int] = field(default_factory=dict)  # leading table entries already null
     num_published: int = 0
 
 
@@ -79,25 +80,33 @@ class KvCacheCoordinator:
         assert end > start >= 0
         req = self._requests.setdefault(req_id, _RequestBlocks({g.spec.name: [] for g in self.plan.groups}))
         last = (end - 1) // self.block_tokens
-        dead: dict[str, int] = {}
+        dead: dict[str, list[int]] = {}
         missing: dict[str, int] = {}
         for g in self.plan.groups:
-            name, table = g.spec.name, req.tables[g.spec.name]
-            first, needed = self._first_kept(g, start), self._first_needed(g, start)
-            assert all(table[j] != NULL_BLOCK for j in range(needed, min(len(table), last + 1))), (
+            name = g.spec.name
+            table = req.tables[name]
+            first, done = self._first_kept(g, start), req.recycled.get(name, 0)
+            assert self._first_needed(g, start) >= done, (
                 f"{name}: window context before token {start} was already recycled"
             )
-            dead[name] = min(first, len(table))
+            dead[name] = [b for b in table[done : min(first, len(table))] if b != NULL_BLOCK]
             missing[name] = last + 1 - max(first, len(table))
             pool = self.pools[name]
-            freed = sum(1 for b in table[: dead[name]] if b != NULL_BLOCK and pool.ref_counts[b] == 1)
+            freed = sum(1 for b in dead[name] if pool.ref_counts[b] == 1)
             if pool.num_free + freed < missing[name]:
                 return False
         for g in self.plan.groups:
             name, table = g.spec.name, req.tables[g.spec.name]
-            self.pools[name].free([b for b in table[: dead[name]] if b != NULL_BLOCK])
-            table[: dead[name]] = [NULL_BLOCK] * dead[name]
-            table.extend([NULL_BLOCK] * (self._first_kept(g, start) - len(table)))
+            first = min(self._first_kept(g, start), len(table))
+            self.pools[name].free(dead[name])
+            done = req.recycled.get(name, 0)
+            if first > done:
+                table[done:first] = [NULL_BLOCK] * (first - done)
+                req.recycled[name] = first
+            pad = self._first_kept(g, start) - len(table)
+            if pad > 0:
+                table.extend([NULL_BLOCK] * pad)
+                req.recycled[name] = len(table)
         new = self.pools.allocate(missing)
         assert new is not None
         for name, blocks in new.items():
@@ -123,6 +132,7 @@ class KvCacheCoordinator:
         for name, table in req.tables.items():
             self.pools[name].free(table[keep:][::-1])
             del table[keep:]
+            req.recycled[name] = min(req.recycled.get(name, 0), keep)
         req.hashes = req.hashes[: num_tokens // self.block_tokens]
         req.num_published = min(req.num_published, len(req.hashes))
 
@@ -179,6 +189,8 @@ class KvCacheCoordinator:
                 if b != NULL_BLOCK:
                     self.pools[name].touch(b)
         req = _RequestBlocks({g.spec.name: list(hit.blocks.get(g.spec.name, [])) for g in self.plan.groups})
+        for g in self.plan.groups:
+            req.recycled[g.spec.name] = self._first_needed(g, hit.num_tokens)
         n = hit.num_tokens // self.block_tokens
         req.hashes = block_hashes(token_ids[: hit.num_tokens], self.block_tokens)
         req.num_published = n
