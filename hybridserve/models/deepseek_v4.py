@@ -329,6 +329,23 @@ class DeepseekV4Model(nn.Module):
         h = (norm or self.norm)((hc_head or self.hc_head)(streams))
         return self.head(h)
 
+    @torch.inference_mode()
+    def mtp_forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
+    ) -> torch.Tensor:
+        """MTP layer ``depth`` at positions t: ``streams`` are the trunk's at t, ``batch.input_ids`` the
+        tokens t+1; its window KV lives in the window group under ``mtp.{depth}``. -> MTP streams."""
+        layer = self.mtp[depth]
+        assert isinstance(layer, MTPLayer)
+        embeds = self.embed_tokens(batch.input_ids)
+        return layer(streams, embeds, batch.input_ids, self.attention_meta(batch), cache, self.rotary())
+
+    def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Logits for t+2 from the MTP layer's streams: its own hc_head and norm, the shared head."""
+        layer = self.mtp[depth]
+        assert isinstance(layer, MTPLayer)
+        return self.compute_logits(mtp_streams, layer.hc_head, layer.norm)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], unknown: list[str]) -> set[str]:
         """Copy checkpoint tensors (on-disk names) into the model; returns the keys it filled.
