@@ -145,10 +145,7 @@ class EngineCore:
     def _append_token(self, req: Request, res: SampleResult) -> EngineCoreOutput:
         req.output_token_ids.append(res.token_id)
         self.stats.generation_tokens += 1
-        logprobs = None
-        if res.top is not None and res.logprob is not None:
-            logprobs = [res.top]
-            req.cumulative_logprob += res.logprob
+        logprobs = [res.top] if res.top is not None else None
         reason, stop_reason = self._stop(req, res.token_id)
         if reason is not None:
             self.finish_request(req.request_id, reason, stop_reason)

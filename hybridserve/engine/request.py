@@ -126,15 +126,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        if self.params.logprobs is not None:
-            self.logprobs = []
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 

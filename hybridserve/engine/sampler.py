@@ -12,8 +12,7 @@ from hybridserve.engine.request import Logprob, Request
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float | None  # raw logprob of the chosen token, when logprobs were asked for
-    top: dict[int, Logprob] | None
+    top: dict[int, Logprob] | None  # the chosen token and the top n, when logprobs were asked for
 
 
 class Sampler:
@@ -109,11 +108,11 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 def _result(token: int, raw: torch.Tensor | None, req: Request) -> SampleResult:
     n = req.params.logprobs
     if raw is None or n is None:
-        return SampleResult(token, None, None)
+        return SampleResult(token, None)
     chosen = float(raw[token])
     top: dict[int, Logprob] = {token: Logprob(chosen, int((raw > raw[token]).sum()) + 1)}
     if n > 0:
         values, ids = raw.topk(n)
         for rank, (tid, val) in enumerate(zip(ids.tolist(), values.tolist(), strict=True), start=1):
             top.setdefault(tid, Logprob(val, rank))
-    return SampleResult(token, chosen, top)
+    return SampleResult(token, top)
