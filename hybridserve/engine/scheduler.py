@@ -118,12 +118,14 @@ class Scheduler:
                 hit = self.coordinator.probe(req.all_token_ids)
                 if hit.num_tokens:
                     self.coordinator.admit_prefix(req.request_id, hit, req.all_token_ids)
-                req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+                req.num_computed_tokens = hit.num_tokens
+                if req.num_preemptions == 0:  # usage reports what the first admission found cached
+                    req.num_cached_tokens = hit.num_tokens
             start = req.num_computed_tokens
             n = self._allocate(req, start, min(req.num_tokens - start, budget))
             if not n:
                 self.coordinator.release(req.request_id)
-                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
