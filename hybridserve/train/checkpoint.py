@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +64,6 @@ def save_checkpoint(
     _merge_mtp(folder, mtp, dtype)
     generation_config(ids, sampling).save_pretrained(folder)
     save_tokenizer(tok, folder, trunk.config.max_position_embeddings)
-
-
-def copy_checkpoint(src: Path, dst: Path) -> None:
-    """Copy a checkpoint folder's files (not sub-folders) into ``dst``, keeping files already there."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        if path.is_file():
-            shutil.copy2(path, dst / path.name)
 
 
 def load_trunk(folder: Path) -> DeepseekV4ForCausalLM:

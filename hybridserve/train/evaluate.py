@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     report: dict[str, object] = {"heldout": asdict(heldout_metrics(joint, windows))}
     if args.samples:
-        report["samples"] = {p: sample(trunk, tok, p) for p in DEFAULT_PROMPTS}
+        report["samples"] = {p: sample(trunk, tok, p, seed=i) for i, p in enumerate(DEFAULT_PROMPTS)}
     print(json.dumps(report, indent=2, ensure_ascii=False))
 
 

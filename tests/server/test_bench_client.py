@@ -1,4 +1,4 @@
-"""Smoke test of ``hybridserve bench serve`` against our server with 4 prompts (benchmarks never run in CI)."""
+"""Smoke test of ``hybridserve bench serve`` against our server with 4 prompts (no benchmark runs in CI)."""
 
 from __future__ import annotations
 
