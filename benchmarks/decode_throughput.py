@@ -49,7 +49,9 @@ def run_transformers(model: str, prompts: list[list[int]], max_tokens: int) -> t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="hybridserve/assets/austen-v4")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -68,7 +70,8 @@ def main() -> None:
         row = {"requests": c, "hybridserve_tok_s": ours_tok / ours_s, "transformers_tok_s": ref_tok / ref_s}
         row["ratio"] = row["hybridserve_tok_s"] / row["transformers_tok_s"]
         rows.append(row)
-        print(f"{c:>8} {row['hybridserve_tok_s']:>18.1f} {row['transformers_tok_s']:>19.1f} {row['ratio']:>6.2f}x")
+        ours, theirs = row["hybridserve_tok_s"], row["transformers_tok_s"]
+        print(f"{c:>8} {ours:>18.1f} {theirs:>19.1f} {row['ratio']:>6.2f}x")
     out = Path(args.result_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))

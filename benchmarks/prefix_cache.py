@@ -32,7 +32,9 @@ def ttft_cached_vs_cold(model: str, lengths: list[int], repeats: int) -> list[di
     for n in lengths:
         cold, warm = [], []
         for r in range(repeats):
-            prompt = torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(n * 100 + r)).tolist()
+            prompt = torch.randint(
+                10, vocab, (n,), generator=torch.Generator().manual_seed(n * 100 + r)
+            ).tolist()
             llm.engine.reset_prefix_cache()
             t = time.perf_counter()
             llm.generate([prompt], one)
@@ -46,8 +48,10 @@ def ttft_cached_vs_cold(model: str, lengths: list[int], repeats: int) -> list[di
         row = {"prompt_tokens": n, "cold_ttft_ms": 1000 * min(cold), "cached_ttft_ms": 1000 * min(warm)}
         row["speedup"] = row["cold_ttft_ms"] / row["cached_ttft_ms"]
         rows.append(row)
-        print(f"{n:>6} tokens: cold {row['cold_ttft_ms']:8.1f} ms, 90% cached {row['cached_ttft_ms']:8.1f} ms, "
-              f"{row['speedup']:.1f}x")
+        print(
+            f"{n:>6} tokens: cold {row['cold_ttft_ms']:8.1f} ms, 90% cached {row['cached_ttft_ms']:8.1f} ms, "
+            f"{row['speedup']:.1f}x"
+        )
     return rows
 
 
@@ -59,16 +63,50 @@ def _free_port() -> int:
 
 def shared_prefix_on_off(model: str, threads: int, bench_args: list[str]) -> dict[str, dict]:
     results = {}
-    for label, flag in (("caching_on", "--enable-prefix-caching"), ("caching_off", "--no-enable-prefix-caching")):
+    for label, flag in (
+        ("caching_on", "--enable-prefix-caching"),
+        ("caching_off", "--no-enable-prefix-caching"),
+    ):
         port = _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "hybridserve.cli", "serve", "--model", model, "--port",
-                                   str(port), "--num-threads", str(threads), "--log-level", "warning", flag])
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hybridserve.cli",
+                "serve",
+                "--model",
+                model,
+                "--port",
+                str(port),
+                "--num-threads",
+                str(threads),
+                "--log-level",
+                "warning",
+                flag,
+            ]
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url)
             out = Path(f"benchmarks/results/prefix_{label}.json")
-            cmd = [sys.executable, "-m", "hybridserve.cli", "bench", "serve", "--base-url", url, "--workload",
-                   "shared-prefix", "--tokenizer", model, "--label", label, "--result-json", str(out), *bench_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "hybridserve.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                url,
+                "--workload",
+                "shared-prefix",
+                "--tokenizer",
+                model,
+                "--label",
+                label,
+                "--result-json",
+                str(out),
+                *bench_args,
+            ]
             subprocess.run(cmd, check=True)
             metrics = _metrics(url)
             summary = json.loads(out.read_text())[0]
@@ -102,23 +140,30 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="hybridserve/assets/austen-v4")
     parser.add_argument("--lengths", default="256,512,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--bench-args", default="--num-prompts 64 --num-prefixes 4 --prefix-len 512 "
-                        "--input-len 32 --output-len 32 --max-concurrency 16")
+    parser.add_argument(
+        "--bench-args",
+        default="--num-prompts 64 --num-prefixes 4 --prefix-len 512 "
+        "--input-len 32 --output-len 32 --max-concurrency 16",
+    )
     parser.add_argument("--result-json", default="benchmarks/results/prefix_cache.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ttft = ttft_cached_vs_cold(args.model, [int(x) for x in args.lengths.split(",")], args.repeats)
     workload = shared_prefix_on_off(args.model, args.threads, args.bench_args.split())
     on, off = workload["caching_on"], workload["caching_off"]
-    print(f"shared-prefix: hit rate {on['prefix_hit_rate']:.2f} vs {off['prefix_hit_rate']:.2f}; output tok/s "
-          f"{on['output_throughput']:.1f} vs {off['output_throughput']:.1f} "
-          f"({on['output_throughput'] / off['output_throughput']:.2f}x); TTFT p50 {on['ttft_ms']['p50']:.0f} ms "
-          f"vs {off['ttft_ms']['p50']:.0f} ms")
+    print(
+        f"shared-prefix: hit rate {on['prefix_hit_rate']:.2f} vs {off['prefix_hit_rate']:.2f}; output tok/s "
+        f"{on['output_throughput']:.1f} vs {off['output_throughput']:.1f} "
+        f"({on['output_throughput'] / off['output_throughput']:.2f}x); "
+        f"TTFT p50 {on['ttft_ms']['p50']:.0f} ms vs {off['ttft_ms']['p50']:.0f} ms"
+    )
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_json).write_text(json.dumps({"ttft": ttft, "shared_prefix": workload}, indent=2))
 
