@@ -27,6 +27,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and left out of the figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--extra-body", default=None, help="JSON merged into every request, e.g. '{\"top_k\": 1}'")
     p.add_argument("--slo", default=None, help="goodput objective, e.g. ttft=500,tpot=50 (milliseconds)")
     p.add_argument("--label", default="run", help="name used in the JSON and the plots")
     p.add_argument("--result-json", default=None)

@@ -47,7 +47,10 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    ep = Endpoint(args.base_url, _model_name(args), args.endpoint, args.api_key, not args.no_ignore_eos)
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    ep = Endpoint(
+        args.base_url, _model_name(args), args.endpoint, args.api_key, not args.no_ignore_eos, extra
+    )
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     requests = _workload(args, tokenizer)
     warm = 0 if args.workload == "multi-turn" else args.warmup

@@ -34,6 +34,7 @@ class Endpoint:
     kind: str = "completions"  # or "chat"
     api_key: str | None = None
     ignore_eos: bool = True
+    extra: dict = field(default_factory=dict)  # engine-specific request fields
 
     @property
     def url(self) -> str:
@@ -54,6 +55,7 @@ def _body(ep: Endpoint, prompt: str | list[int], messages: list[dict[str, str]],
     }
     if ep.ignore_eos:
         body["ignore_eos"] = True
+    body.update(ep.extra)
     if ep.kind == "chat":
         body["messages"] = messages or [{"role": "user", "content": prompt}]
     else:

@@ -30,4 +30,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may finish after SIGTERM",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: all cores but one, left to the HTTP event loop)",
+    )

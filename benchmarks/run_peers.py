@@ -1,0 +1,211 @@
+"""hybridserve vs its peers on the same checkpoint, in one run: throughput, latency, token agreement.
+
+    python benchmarks/run_peers.py --checkpoint hybridserve/assets/austen-v4
+    python benchmarks/run_peers.py --checkpoint data/bench-random-v4 \
+        --engines hybridserve,transformers,mlx-vlm
+
+Each engine is started on a free loopback port, driven by `hybridserve bench serve` on
+`/v1/chat/completions` (the one endpoint every peer serves) at each concurrency, checked for greedy
+token agreement with the transformers reference (`benchmarks/agreement.py`), then stopped. Engines
+run one after another with nothing else started, so their ratios come from the same run. Peers need
+their venvs: `bash benchmarks/peers/setup_transformers.sh`, `bash benchmarks/peers/setup_mlx_vlm.sh`
+(+ `mlx_vlm_convert.py` for the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+@dataclass
+class Engine:
+    name: str
+    cmd: list[str]
+    model_name: str
+    env: dict[str, str]
+
+    def fields(self, max_tokens: int) -> dict:
+        """Request fields that make every engine return exactly ``max_tokens`` tokens."""
+        if self.name == "hybridserve":
+            return {"ignore_eos": True}
+        if self.name == "transformers":  # transformers serve refuses ignore_eos
+            return {"generation_config": json.dumps({"min_new_tokens": max_tokens})}
+        return {}  # mlx-vlm: no such option (a random model rarely emits EOS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine(name: str, checkpoint: Path, port: int, threads: int) -> Engine:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if name == "hybridserve":
+        cmd = [PY, "-m", "hybridserve.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
+        cmd += ["--num-threads", str(threads), "--log-level", "warning", "--max-num-seqs", "64"]
+        return Engine(name, [*cmd, "--max-queue", "1024"], checkpoint.name, env)
+    if name == "transformers":
+        server = str(ROOT / "benchmarks/peers/transformers_server.py")
+        cmd = [str(ROOT / "data/venvs/transformers/bin/python"), server, "--model", str(checkpoint)]
+        return Engine(name, [*cmd, "--port", str(port), "--threads", str(threads)], str(checkpoint), env)
+    if name == "mlx-vlm":
+        mlx_dir = Path(str(checkpoint) + "-mlx")
+        cmd = ["bash", str(ROOT / "benchmarks/peers/mlx_vlm_server.sh"), str(mlx_dir), str(port)]
+        return Engine(name, cmd, str(mlx_dir), env)
+    raise ValueError(name)
+
+
+def _wait_ready(url: str, model: str, timeout: float = 300) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def _bench(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, c: int, result: Path) -> None:
+    cmd = [PY, "-m", "hybridserve.cli", "bench", "serve", "--base-url", url, "--model", e.model_name]
+    cmd += [
+        "--endpoint",
+        "chat",
+        "--tokenizer",
+        str(checkpoint),
+        "--num-prompts",
+        str(max(args.min_prompts, c)),
+    ]
+    cmd += [
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(c),
+    ]
+    cmd += ["--warmup", "2", "--no-ignore-eos", "--extra-body", json.dumps(e.fields(args.output_len))]
+    cmd += ["--label", f"{e.name}-c{c}", "--result-json", str(result), "--seed", "0", "--no-progress"]
+    subprocess.run(cmd, check=True)
+
+
+def _agreement(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, result: Path) -> None:
+    cmd = [PY, str(ROOT / "benchmarks/agreement.py"), "--base-url", url, "--model", e.model_name]
+    cmd += [
+        "--checkpoint",
+        str(checkpoint),
+        "--endpoint",
+        "chat",
+        "--num-prompts",
+        str(args.agreement_prompts),
+    ]
+    cmd += ["--max-tokens", "32", "--out", str(result), "--no-ignore-eos"]
+    subprocess.run([*cmd, "--extra-body", json.dumps(e.fields(32))], check=True)
+
+
+def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, out: Path) -> dict:
+    """Start the engine, measure every concurrency level and the agreement (reusing results already
+    written by an interrupted run with ``--resume``), stop it."""
+    todo = [c for c in _levels(args) if not (args.resume and (out / f"{e.name}-c{c}.json").is_file())]
+    agreement = out / f"{e.name}-agreement.json"
+    need_agreement = not (args.resume and agreement.is_file())
+    if todo or need_agreement:
+        server = subprocess.Popen(
+            e.cmd, env=e.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            _wait_ready(url, e.model_name)
+            for c in todo:
+                _bench(e, url, checkpoint, args, c, out / f"{e.name}-c{c}.json")
+            if need_agreement:
+                _agreement(e, url, checkpoint, args, agreement)
+        finally:
+            os.killpg(server.pid, 15)
+            server.wait(timeout=60)
+    levels = [json.loads((out / f"{e.name}-c{c}.json").read_text())[0] for c in _levels(args)]
+    return {"engine": e.name, "levels": levels, "agreement": json.loads(agreement.read_text())}
+
+
+def _levels(args: argparse.Namespace) -> list[int]:
+    return [int(x) for x in args.concurrency.split(",")]
+
+
+def table(results: list[dict]) -> str:
+    ours = {
+        lv["config"]["max_concurrency"]: lv
+        for r in results
+        if r["engine"] == "hybridserve"
+        for lv in r["levels"]
+    }
+    lines = [
+        "| engine | concurrency | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
+        "agreement | hybridserve / engine (tok/s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        agree = _agreement_figure(r["agreement"])
+        for lv in r["levels"]:
+            c = lv["config"]["max_concurrency"]
+            ratio = ours[c]["output_throughput"] / lv["output_throughput"] if c in ours else float("nan")
+            lines.append(
+                f"| {r['engine']} | {c} | {lv['output_throughput']:.1f} | {lv['ttft_ms']['p50']:.0f} / "
+                f"{lv['ttft_ms']['p99']:.0f} | {lv['tpot_ms']['p50']:.1f} / {lv['tpot_ms']['p99']:.1f} | "
+                f"{agree} | {ratio:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def _agreement_figure(report: dict) -> str:
+    for key in ("mean_agreement", "agreement", "mean_fraction"):
+        if key in report:
+            return f"{report[key]:.3f}"
+    return "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", default="hybridserve/assets/austen-v4")
+    parser.add_argument("--engines", default="hybridserve,transformers")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--agreement-prompts", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<checkpoint name>")
+    parser.add_argument("--resume", action="store_true", help="keep results an interrupted run already wrote")
+    args = parser.parse_args()
+    checkpoint = Path(args.checkpoint).resolve()
+    out = Path(args.out or ROOT / "benchmarks/results" / checkpoint.name)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.engines.split(","):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        print(f"== {name} on {checkpoint.name} ==", flush=True)
+        results.append(run_engine(engine(name, checkpoint, port, args.threads), url, checkpoint, args, out))
+    (out / "summary.json").write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+    (out / "table.md").write_text(table(results) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
