@@ -190,6 +190,8 @@ def decode_profile(
     params = 0
     float_sizes: list[int] = []
     for t in model.tensors:
+        if t.name.startswith("mtp."):
+            continue  # the MTP draft layer is not read by a plain decode step
         params += t.numel
         if t.name.endswith(".weight") and t.numel:
             float_sizes.append(t.nbytes // t.numel)

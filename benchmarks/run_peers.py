@@ -26,6 +26,9 @@ from pathlib import Path
 
 import httpx
 
+from hybridserve.bench.metrics import BenchSummary
+from hybridserve.bench.plot import plot_sweep
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -203,6 +206,9 @@ def main() -> None:
         print(f"== {name} on {checkpoint.name} ==", flush=True)
         results.append(run_engine(engine(name, checkpoint, port, args.threads), url, checkpoint, args, out))
     (out / "summary.json").write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+    for r in results:
+        points = [(lv["config"]["max_concurrency"], BenchSummary(**lv)) for lv in r["levels"]]
+        plot_sweep(points, out, r["engine"])
     (out / "table.md").write_text(table(results) + "\n")
     print(table(results))
 
