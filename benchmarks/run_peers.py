@@ -105,6 +105,7 @@ def _bench(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, c: i
     ]
     cmd += ["--warmup", "2", "--no-ignore-eos", "--extra-body", json.dumps(e.fields(args.output_len))]
     cmd += ["--label", f"{e.name}-c{c}", "--result-json", str(result), "--seed", "0", "--no-progress"]
+    cmd += ["--workload", args.workload, *args.workload_args.split()]
     subprocess.run(cmd, check=True)
 
 
@@ -127,7 +128,7 @@ def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, 
     written by an interrupted run with ``--resume``), stop it."""
     todo = [c for c in _levels(args) if not (args.resume and (out / f"{e.name}-c{c}.json").is_file())]
     agreement = out / f"{e.name}-agreement.json"
-    need_agreement = not (args.resume and agreement.is_file())
+    need_agreement = not (args.resume and agreement.is_file()) and not args.skip_agreement
     if todo or need_agreement:
         server = subprocess.Popen(
             e.cmd, env=e.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -142,7 +143,8 @@ def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, 
             os.killpg(server.pid, 15)
             server.wait(timeout=60)
     levels = [json.loads((out / f"{e.name}-c{c}.json").read_text())[0] for c in _levels(args)]
-    return {"engine": e.name, "levels": levels, "agreement": json.loads(agreement.read_text())}
+    report = json.loads(agreement.read_text()) if agreement.is_file() else {}
+    return {"engine": e.name, "levels": levels, "agreement": report}
 
 
 def _levels(args: argparse.Namespace) -> list[int]:
@@ -178,7 +180,7 @@ def _agreement_figure(report: dict) -> str:
     for key in ("mean_agreement", "agreement", "mean_fraction"):
         if key in report:
             return f"{report[key]:.3f}"
-    return "?"
+    return "—"
 
 
 def main() -> None:
@@ -195,9 +197,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<checkpoint name>")
     parser.add_argument("--resume", action="store_true", help="keep results an interrupted run already wrote")
+    parser.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"])
+    parser.add_argument(
+        "--workload-args", default="", help="more `bench serve` flags, e.g. '--prefix-len 512'"
+    )
+    parser.add_argument("--skip-agreement", action="store_true")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint).resolve()
-    out = Path(args.out or ROOT / "benchmarks/results" / checkpoint.name)
+    default_out = ROOT / "benchmarks/results" / checkpoint.name
+    out = Path(args.out or (default_out if args.workload == "random" else default_out / args.workload))
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.engines.split(","):

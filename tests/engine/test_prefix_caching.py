@@ -73,10 +73,8 @@ def test_hits_equal_the_radix_oracle_and_outputs_equal_caching_off(
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert cached.engine.scheduler.prefix_hit_tokens > 0
-    if num_blocks is not None:
-        assert cached.engine.scheduler.num_preemptions > 0 or any(
-            p.num_cached < p.plan.usable_blocks for p in cached.engine.pools.pools.values()
-        )
+    if num_blocks is not None:  # the small pool evicts cached blocks and preempts running requests
+        assert cached.engine.scheduler.num_preemptions > 0
     cached.engine.reset_prefix_cache()
     assert cached.engine.pools.all_free() and all(
         p.num_cached == 0 for p in cached.engine.pools.pools.values()
