@@ -27,12 +27,13 @@ from hybridserve.server.serving import (
     admit,
     check_model,
     fan_out,
+    final_outputs,
     new_id,
     sampling_params,
     submit,
     usage,
 )
-from hybridserve.server.streams import sse, unless_disconnected
+from hybridserve.server.streams import sse
 from hybridserve.tokenizer import Tokenizer
 
 
@@ -107,19 +108,9 @@ async def create_chat_completion(
             _stream(body, base, ids, requests, outputs, llm, top), media_type="text/event-stream"
         )
 
-    async def collect() -> list[RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in outputs:
-            if out.finished:
-                finals[i] = out
-        return [finals[i] for i in range(len(requests))]
-
-    try:
-        finals = await unless_disconnected(raw, collect)
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
+    finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
-        return Response(status_code=499)
+        return Response(status_code=499)  # the client went away; its requests were aborted
     choices = [
         ChatChoice(
             index=i,

@@ -21,12 +21,13 @@ from hybridserve.server.serving import (
     admit,
     check_model,
     fan_out,
+    final_outputs,
     new_id,
     sampling_params,
     submit,
     usage,
 )
-from hybridserve.server.streams import sse, unless_disconnected
+from hybridserve.server.streams import sse
 from hybridserve.tokenizer import Tokenizer
 
 
@@ -98,19 +99,9 @@ async def create_completion(
             _stream(body, base, prompts, texts, requests, outputs, llm), media_type="text/event-stream"
         )
 
-    async def collect() -> list[RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in outputs:
-            if out.finished:
-                finals[i] = out
-        return [finals[i] for i in range(len(requests))]
-
-    try:
-        finals = await unless_disconnected(raw, collect)
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
+    finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
-        return Response(status_code=499)
+        return Response(status_code=499)  # the client went away; its requests were aborted
     choices = []
     for i, out in enumerate(finals):
         c = out.outputs[0]

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from starlette.requests import Request as HTTPRequest
+
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.core import RequestRejected
 from hybridserve.engine.request import Request, RequestOutput, SamplingParams
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
-from hybridserve.server.streams import merge
+from hybridserve.server.streams import merge, unless_disconnected
 
 
 @dataclass
@@ -120,6 +122,24 @@ async def submit(llm: AsyncLLM, requests: list[Request]) -> AsyncIterator[tuple[
     """Queue every request now (right after ``admit``, with no await between that could let another
     handler in) and return their merged outputs."""
     return merge([await llm.submit(r) for r in requests])
+
+
+async def final_outputs(
+    raw: HTTPRequest, outputs: AsyncIterator[tuple[int, RequestOutput]], n: int
+) -> list[RequestOutput] | None:
+    """The last output of each of ``n`` requests, in order; None if the client disconnected first."""
+
+    async def collect() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(n)]
+
+    try:
+        return await unless_disconnected(raw, collect)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 def usage(prompts: list[list[int]], finals: list[RequestOutput], n: int) -> Usage:

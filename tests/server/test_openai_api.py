@@ -93,7 +93,7 @@ def test_chat_streaming_and_not(client: openai.OpenAI, server: Server) -> None:
 
 
 def test_n_echo_logprobs_and_seed(client: openai.OpenAI, server: Server) -> None:
-    r = client.completions.create(
+    kwargs = dict(
         model=server.model,
         prompt="A truth",
         max_tokens=6,
@@ -103,17 +103,9 @@ def test_n_echo_logprobs_and_seed(client: openai.OpenAI, server: Server) -> None
         logprobs=2,
         extra_body={"ignore_eos": True},
     )
+    r = client.completions.create(**kwargs)  # type: ignore[call-overload]
     assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) > 1
-    again = client.completions.create(
-        model=server.model,
-        prompt="A truth",
-        max_tokens=6,
-        n=3,
-        temperature=1.0,
-        seed=7,
-        logprobs=2,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**kwargs)  # type: ignore[call-overload]
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
     lp = r.choices[0].logprobs
     assert (
