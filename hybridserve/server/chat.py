@@ -24,13 +24,11 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.server.serving import (
     ServerSettings,
-    admit,
     check_model,
-    fan_out,
     final_outputs,
     new_id,
     sampling_params,
-    submit,
+    start,
     usage,
 )
 from hybridserve.server.streams import sse
@@ -100,9 +98,7 @@ async def create_chat_completion(
     top = body.top_logprobs or 0
     params = sampling_params(body, settings, max_tokens, top if body.logprobs else None)
     base = new_id("chatcmpl")
-    requests = fan_out(base, [ids], params, body.n, [text])
-    admit(llm, settings, requests)
-    outputs = await submit(llm, requests)
+    requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text])
     if body.stream:
         return StreamingResponse(
             _stream(body, base, ids, requests, outputs, llm, top), media_type="text/event-stream"

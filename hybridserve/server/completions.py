@@ -18,13 +18,11 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.server.serving import (
     ServerSettings,
-    admit,
     check_model,
-    fan_out,
     final_outputs,
     new_id,
     sampling_params,
-    submit,
+    start,
     usage,
 )
 from hybridserve.server.streams import sse
@@ -91,9 +89,7 @@ async def create_completion(
     prompts, texts = _prompts(body, llm.tokenizer)
     params = sampling_params(body, settings, body.max_tokens, body.logprobs)
     base = new_id("cmpl")
-    requests = fan_out(base, prompts, params, body.n, texts)
-    admit(llm, settings, requests)
-    outputs = await submit(llm, requests)
+    requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts)
     if body.stream:
         return StreamingResponse(
             _stream(body, base, prompts, texts, requests, outputs, llm), media_type="text/event-stream"

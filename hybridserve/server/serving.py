@@ -101,7 +101,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> None:
+def _admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> None:
     """Refuse what can never run (400) and what the queue has no room for (429)."""
     for r in requests:
         try:
@@ -118,10 +118,20 @@ def admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> N
         )
 
 
-async def submit(llm: AsyncLLM, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Queue every request now (right after ``admit``, with no await between that could let another
-    handler in) and return their merged outputs."""
-    return merge([await llm.submit(r) for r in requests])
+async def start(
+    llm: AsyncLLM,
+    settings: ServerSettings,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    texts: list[str | None],
+) -> tuple[list[Request], AsyncIterator[tuple[int, RequestOutput]]]:
+    """Fan out, admit (400 / 429) and queue every request, with no await between the admission check
+    and the queueing that could let another handler in; -> (requests, their merged outputs)."""
+    requests = fan_out(base_id, prompts, params, n, texts)
+    _admit(llm, settings, requests)
+    return requests, merge([await llm.submit(r) for r in requests])
 
 
 async def final_outputs(
