@@ -77,6 +77,13 @@ class EngineConfig:
         metadata={"help": "share of spare cache memory that keeps window context of cached prefixes"},
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
+    reserve_lookahead: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens of growth each running request keeps free from new admissions "
+            "(default: one block; 0 turns the reserve off)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

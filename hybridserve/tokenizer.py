@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,17 @@ class Tokenizer:
         self.eos_token_ids = self._eos_ids(gen)
         self.bos_token_id = self.hf.token_to_id(self.bos_token) if self.bos_token else None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        added = self.hf.get_added_tokens_decoder().items()
+        self._specials = {t.content: (i, t) for i, t in added if t.special}  # text -> (id, AddedToken)
+        by_length = sorted(self._specials, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
+        # A private copy that splits special-token text like plain text; the shared one is never toggled.
+        self._text_hf = HFTokenizer.from_str(self.hf.to_str())
+        self._text_hf.encode_special_tokens = True
+        longest = max((len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+        # Without a normalizer no token covers more input bytes than its own text has (byte-level
+        # tokens spell a byte with a 1-2 byte character); a normalizer could delete input, so no bound.
+        self._max_bytes_per_token = longest if self.hf.normalizer is None else None
 
     def _eos_ids(self, gen: dict[str, Any]) -> tuple[int, ...]:
         ids = gen.get("eos_token_id")
@@ -53,7 +66,7 @@ class Tokenizer:
         return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(self.hf, text, add_special_tokens)
         if (
             add_special_tokens
             and self.add_bos
@@ -62,6 +75,15 @@ class Tokenizer:
         ):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, computed without encoding (0 when none is known).
+
+        Lets the server refuse a prompt that cannot fit before spending seconds tokenising it.
+        """
+        if self._max_bytes_per_token is None:
+            return 0
+        return -(-len(text.encode()) // self._max_bytes_per_token)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -80,9 +102,120 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[list[int], str]:
+        """Token ids of the rendered conversation, with message content encoded as plain text: special-token
+        strings inside content are not parsed as special tokens (as vLLM/transformers' split_special_tokens);
+        -> (ids, rendered text).
+
+        Content ``None`` renders as ``""`` and a list of text parts as their concatenation. For content free
+        of special-token text the ids equal ``encode(apply_chat_template(...), add_special_tokens=False)``.
+        Only content is protected, so special-token text in any other message field raises ValueError, as
+        does special-token text in content when the template transforms content (so it can't be located).
+        """
+        msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+        others = [{k: v for k, v in m.items() if k != "content"} for m in msgs]
+        self._reject_specials(others, "message fields other than content")
+        text = self.apply_chat_template(msgs, add_generation_prompt)
+        pieces = self._split_content(msgs, add_generation_prompt, text)
+        if pieces is None:
+            self._reject_specials([m["content"] for m in msgs], "message content with this chat template")
+            return self.encode(text, add_special_tokens=False), text
+        return self._encode_pieces(pieces), text
+
+    def _reject_specials(self, values: list[Any], where: str) -> None:
+        found = sorted({t for s in _strings(values) for t in self._specials if t in s})
+        if found:
+            raise ValueError(f"special-token text {', '.join(map(repr, found))} is not allowed in {where}")
+
+    def _split_content(
+        self, msgs: list[dict[str, Any]], add_generation_prompt: bool, text: str
+    ) -> list[tuple[str, bool]] | None:
+        """``text`` as (piece, is_content) pairs, found by rendering with a sentinel per message content;
+        None when the template transforms content (the sentinel render does not map back to ``text``)."""
+        used = set(self.chat_template).union(*_strings([msgs, self.bos_token, self.eos_token]))
+        mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)  # private use area
+        if mark is None:
+            return None
+        marked = [{**m, "content": f"{mark}{i}{mark}"} for i, m in enumerate(msgs)]
+        try:
+            parts = re.split(f"{mark}([0-9]+){mark}", self.apply_chat_template(marked, add_generation_prompt))
+        except Exception:  # the template may fail on the sentinel where it accepted the real content
+            return None
+        pieces = [(p, False) if k % 2 == 0 else (_index(msgs, p), True) for k, p in enumerate(parts)]
+        bad = any(p is None or (not is_content and mark in p) for p, is_content in pieces)
+        if bad or "".join(p or "" for p, _ in pieces) != text:
+            return None
+        return [(p or "", is_content) for p, is_content in pieces]
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Special tokens of template pieces as ids, the text between them (content too) as plain text."""
+        runs, specials = self._runs(pieces)
+        ids: list[int] = []
+        for k, run in enumerate(runs):
+            ids += _encode(self._text_hf, run, False) if run else []
+            ids += [specials[k]] if k < len(specials) else []
+        return ids
+
+    def _runs(self, pieces: list[tuple[str, bool]]) -> tuple[list[str], list[int]]:
+        """Texts between the special tokens of template pieces (one more than there are tokens), token ids."""
+        runs, specials = [""], []
+        for piece, is_content in pieces:
+            parts = [piece] if is_content or self._special_re is None else self._special_re.split(piece)
+            runs[-1] += parts[0]
+            specials += [self._specials[t] for t in parts[1::2]]
+            runs += parts[2::2]
+        for k, (_, token) in enumerate(specials):  # whitespace the tokenizer strips around such tokens
+            runs[k] = runs[k].rstrip() if token.lstrip else runs[k]
+            runs[k + 1] = runs[k + 1].lstrip() if token.rstrip else runs[k + 1]
+        return runs, [i for i, _ in specials]
+
+
+def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL (encode does not), so a large prompt encoded in a worker thread
+    # never stalls the event loop.
+    return list(hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+def _content_text(content: Any) -> str:
+    """Message content as one string: None is empty, a list of text parts is joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(map(_part_text, content))
+    kind = type(content).__name__
+    raise ValueError(f"message content must be a string or a list of text parts, not {kind}")
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and isinstance(part.get("text"), str):
+        return str(part["text"])
+    raise ValueError("message content parts must be strings or text parts ({'type': 'text', 'text': ...})")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a nest of dicts, lists and tuples."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _index(msgs: list[dict[str, Any]], digits: str) -> str | None:
+    """The content of message number ``digits``, or None when there is no such message."""
+    i = int(digits)
+    return msgs[i]["content"] if i < len(msgs) and str(i) == digits else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

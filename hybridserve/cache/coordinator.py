@@ -64,6 +64,26 @@ class KvCacheCoordinator:
         last = (end - 1) // self.block_tokens
         return {g.spec.name: last - self._first_kept(g, start) + 1 for g in self.plan.groups}
 
+    def extension_cost(self, req_id: str, start: int, end: int) -> dict[str, int]:
+        """Per group, how much ``num_free`` would drop if ``allocate(req_id, start, end)`` ran now.
+
+        New blocks minus the window blocks that allocation would recycle (only those no other request
+        shares), so it can be negative. Read-only; an unknown request counts as having no blocks.
+        """
+        assert end > start >= 0
+        req = self._requests.get(req_id)
+        last = (end - 1) // self.block_tokens
+        cost: dict[str, int] = {}
+        for g in self.plan.groups:
+            name = g.spec.name
+            table = req.tables[name] if req is not None else []
+            first, done = self._first_kept(g, start), req.recycled.get(name, 0) if req is not None else 0
+            ref_counts = self.pools[name].ref_counts
+            dead = table[done : min(first, len(table))]
+            freed = sum(1 for b in dead if b != NULL_BLOCK and ref_counts[b] == 1)
+            cost[name] = max(0, last + 1 - max(first, len(table))) - freed
+        return cost
+
     # ---- lifecycle ------------------------------------------------------------------------
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests

@@ -1,52 +1,39 @@
-"""AsyncLLM: an asyncio front for EngineCore.
+"""AsyncLLM: the API process's asyncio front for the engine core, which runs in its own process.
 
-The core runs in its own thread and talks only in plain messages (add, abort, finish in; token
-outputs out), so it could move to its own process unchanged. Detokenisation and stop strings
-happen here, in the event loop, like vLLM's output processor.
+Requests go to the core as messages; its token outputs come back and are detokenised here, where
+stop strings are found too (vLLM's output processor). A core that dies fails every stream and calls
+``on_fatal``; it is never waited on forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore, EngineCoreOutput, RequestRejected
+from hybridserve.engine.core import EngineCoreOutput, EngineSnapshot
+from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
+from hybridserve.engine.messages import (
+    AddRequest,
+    CoreOutput,
+    EngineFailed,
+    FinishRequests,
+    Rejected,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+)
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Request, RequestOutput
 from hybridserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("hybridserve.engine")
-
-
-@dataclass
-class _Add:
-    request: Request
-
-
-@dataclass
-class _Finish:
-    request_id: str
-    reason: FinishReason
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _ResetPrefixCache:
-    done: asyncio.Future[None]
-
-
-@dataclass
-class _Shutdown:
-    pass
-
-
-_Message = _Add | _Finish | _ResetPrefixCache | _Shutdown
 
 
 @dataclass
@@ -59,47 +46,63 @@ class RequestTiming:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
+        """Starts the engine-core process and waits until it has loaded the model (blocking)."""
         self.config = config
-        self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(config.model)
+        self.client = EngineCoreClient(config)
+        self.info = self.client.ready
+        self.limits = self.info.limits
+        self.stats: EngineSnapshot = self.info.snapshot  # as of the core's last message
         self.processor = OutputProcessor(self.tokenizer)
-        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.timings: dict[str, RequestTiming] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._calls: dict[int, asyncio.Future[None]] = {}
+        self._call_ids = itertools.count()
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
         self.errored: BaseException | None = None
         self.on_finish: list = []  # callbacks(RequestOutput, RequestTiming), e.g. metrics and logs
+        self.on_fatal: list[Callable[[BaseException], None]] = []  # the engine died (in the event loop)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run_core, name="engine-core", daemon=True)
-        self._thread.start()
+        """Start reading the core's outputs in the running event loop."""
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_outputs())
+        self.client.on_exit(loop, self._core_exited)
 
-    def shutdown(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(_Shutdown())
-            self._thread.join(timeout=30)
-            self._thread = None
+    async def shutdown(self) -> None:
+        """Stop reading, then stop the core process (waiting for it in a worker thread)."""
+        self._closing = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self.client.stop_watching(asyncio.get_running_loop())
+        await asyncio.to_thread(self.client.close)
 
     @property
     def ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.errored is None
+        return self._reader is not None and self.errored is None
 
-    # ---- requests -----------------------------------------------------------------------------
+    # ---- what the engine can serve --------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.limits.max_request_tokens
+
     def check(self, request: Request) -> None:
         """Raise RequestRejected now if the engine could never serve ``request``."""
-        self.core.validate(request)
+        if request.request_id in self._streams:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use", param=None)
+        self.limits.check(request.prompt_token_ids, request.params)
 
+    # ---- requests -----------------------------------------------------------------------------
     def request_ids(self) -> list[str]:
         return list(self._streams)
-
-    async def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (done between two steps of the core thread)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inbox.put(_ResetPrefixCache(done))
-        await done
 
     @property
     def num_unfinished(self) -> int:
@@ -107,7 +110,11 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        return max(0, len(self._streams) - len(self.core.scheduler.running))
+        return max(0, len(self._streams) - self.stats.num_running)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (done between two steps of the core)."""
+        await self._call("reset_prefix_cache")
 
     async def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` now and return the stream of its outputs.
@@ -126,93 +133,103 @@ class AsyncLLM:
 
     async def _generate(self, request: Request) -> AsyncIterator[RequestOutput | None]:
         self.check(request)
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine stopped: {self.errored}")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self.timings[request.request_id] = RequestTiming()
         self.processor.add_request(request)
-        self._inbox.put(_Add(request))
         finished = False
         try:
+            self.client.send(
+                AddRequest(request.request_id, request.prompt_token_ids, request.params, request.prompt)
+            )
             yield None
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the core has already dropped the request
                     raise item
                 finished = item.finished
                 yield item
         finally:
             if not finished:
                 self.abort(request.request_id)
+            self.processor.abort_request(request.request_id)
             self._streams.pop(request.request_id, None)
             self.timings.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a running request; its blocks are freed before the next step."""
+        """Abort a running request; its blocks are freed before the core's next step."""
         if request_id not in self._streams:
             return False
-        self._inbox.put(_Finish(request_id, FinishReason.ABORT))
+        self._finish([request_id], FinishReason.ABORT)
         out = self.processor.abort_request(request_id)
         if out is not None:
             self._deliver(out)
         return True
 
-    # ---- the core thread ----------------------------------------------------------------------
-    def _run_core(self) -> None:
-        try:
-            while True:
-                block = not self.core.has_unfinished_requests()
-                if not self._drain(block):
-                    return
-                outputs = self.core.step()
-                if outputs:
-                    assert self._loop is not None
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
-        except BaseException as exc:  # the engine is dead: fail every stream instead of hanging
-            log.exception("engine core failed")
-            self.errored = exc
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
+    def stop_all(self, reason: str) -> None:
+        """Fail every unfinished request now with EngineStoppedError (and free its blocks)."""
+        ids = list(self._streams)
+        self._finish(ids, FinishReason.ABORT)
+        for request_id in ids:
+            self.processor.abort_request(request_id)
+            self._fail(request_id, EngineStoppedError(reason))
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued messages; False on shutdown."""
-        try:
-            msg = self._inbox.get(block=block)
-        except queue.Empty:
-            return True
+    def _finish(self, request_ids: list[str], reason: FinishReason, stop: int | str | None = None) -> None:
+        if request_ids and self.errored is None:
+            with contextlib.suppress(EngineDeadError):  # a core that is gone holds no blocks to free
+                self.client.send(FinishRequests(request_ids, reason, stop))
+
+    async def _call(self, method: str) -> None:
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine stopped: {self.errored}")
+        call_id = next(self._call_ids)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = done
+        self.client.send(UtilityCall(call_id, method))
+        await done
+
+    # ---- outputs from the core (in the event loop) --------------------------------------------
+    async def _read_outputs(self) -> None:
         while True:
-            if isinstance(msg, _Shutdown):
-                return False
-            if isinstance(msg, _Add):
-                self._add(msg.request)
-            elif isinstance(msg, _ResetPrefixCache):
-                self.core.reset_prefix_cache()
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(msg.done.set_result, None)
-            else:
-                self.core.finish_request(msg.request_id, msg.reason, msg.stop_reason)
+            message = await self.client.recv()
             try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+                self._on_message(message)
+            except Exception:  # a bug here must not stop every other stream's outputs
+                log.exception("could not process the engine core's outputs")
 
-    def _add(self, request: Request) -> None:
-        try:
-            self.core.add_request(request)
-        except RequestRejected as exc:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._fail, request.request_id, exc)
+    def _on_message(self, message: CoreOutput) -> None:
+        if isinstance(message, StepOutputs):
+            self.stats = message.snapshot
+            self._on_outputs(message.outputs)
+        elif isinstance(message, Rejected):
+            self.processor.abort_request(message.request_id)
+            self._fail(message.request_id, RequestRejected(message.message, message.code, message.param))
+        elif isinstance(message, UtilityResult):
+            self._on_result(message)
+        elif isinstance(message, EngineFailed):
+            self._die(EngineDeadError(message.message))
 
-    # ---- back in the event loop ---------------------------------------------------------------
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
+    def _on_result(self, result: UtilityResult) -> None:
+        done = self._calls.pop(result.call_id, None)
+        if done is None or done.done():
+            return
+        if result.error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(RuntimeError(result.error))
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.monotonic()
-        results, stopped = self.processor.process(outputs)
+        for failed in outputs:
+            if failed.error is not None:
+                self.processor.abort_request(failed.request_id)
+                self._fail(failed.request_id, RequestFailedError(failed.error))
+        results, stopped = self.processor.process([o for o in outputs if o.error is None])
         for request_id, stop in stopped:
-            self._inbox.put(_Finish(request_id, FinishReason.STOP, stop))
+            self._finish([request_id], FinishReason.STOP, stop)
         for out in results:
             timing = self.timings.get(out.request_id)
             if timing is not None:
@@ -223,6 +240,11 @@ class AsyncLLM:
                 timing.last_token = now
             self._deliver(out)
 
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
@@ -232,6 +254,19 @@ class AsyncLLM:
             for callback in self.on_finish:
                 callback(out, timing)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _core_exited(self, exitcode: int | None) -> None:
+        if not self._closing:
+            self._die(EngineDeadError(f"the engine-core process exited unexpectedly (status {exitcode})"))
+
+    def _die(self, exc: EngineDeadError) -> None:
+        if self.errored is not None:
+            return
+        log.error("engine core failed: %s", exc)
+        self.errored = exc
         for stream in self._streams.values():
-            stream.put_nowait(RuntimeError(f"the engine stopped: {exc}"))
+            stream.put_nowait(exc)
+        for done in self._calls.values():
+            if not done.done():
+                done.set_exception(exc)
+        for callback in self.on_fatal:
+            callback(exc)

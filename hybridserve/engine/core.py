@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,19 +11,18 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
+from hybridserve.engine.errors import EngineDeadError, RequestRejected
+from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.models.loader import load_model, read_config
 
+log = logging.getLogger("hybridserve.engine")
 
-class RequestRejected(ValueError):
-    """A request that can never be served as asked (too long, bad token ids, duplicate id)."""
-
-    def __init__(self, message: str, code: str = "invalid_prompt") -> None:
-        super().__init__(message)
-        self.code = code
+# A step that fails this many times in a row means the engine itself is broken, not one request.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 
 @dataclass
@@ -33,13 +33,38 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
 
 
 @dataclass
 class EngineStats:
     generation_tokens: int = 0
     steps: int = 0
+    failed_steps: int = 0
+    consecutive_failures: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PoolUsage:
+    used: int
+    total: int
+    cached: int
+
+
+@dataclass
+class EngineSnapshot:
+    """What the engine's metrics read, taken between steps (it crosses the process boundary)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    pools: dict[str, PoolUsage] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    failed_steps: int = 0
 
 
 class EngineCore:
@@ -52,7 +77,9 @@ class EngineCore:
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
         self.coordinator = KvCacheCoordinator(self.plan, self.pools, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.coordinator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
+        )
         self.runner = ModelRunner(self.model, self.pools, self.coordinator, Sampler(config.seed), self.device)
         self.max_model_len = config.max_model_len or self.model.cfg.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
@@ -73,9 +100,13 @@ class EngineCore:
         )
 
     @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens())
+
+    @property
     def max_request_tokens(self) -> int:
         """Longest prompt + output a request may ask for: the model's and the pools' limits."""
-        return min(self.max_model_len, self.plan.max_request_tokens())
+        return self.limits.max_request_tokens
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,24 +120,9 @@ class EngineCore:
 
     def validate(self, request: Request) -> None:
         """Raise RequestRejected if ``request`` can never be served as asked."""
-        ids = request.prompt_token_ids
         if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        if not ids:
-            raise RequestRejected("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        limit = self.max_request_tokens
-        total = len(ids) + (request.params.max_tokens or 1)
-        if total > limit:
-            raise RequestRejected(
-                f"prompt has {len(ids):,} tokens and max_tokens is {request.params.max_tokens or 0:,}: "
-                f"{total:,} in all, but this server holds at most {limit:,} per request "
-                f"(max_model_len {self.max_model_len:,}, KV pool {self.plan.max_request_tokens():,}; "
-                f"shorten the prompt, lower max_tokens, or raise --kv-cache-memory / --max-model-len)",
-                code="context_length_exceeded",
-            )
+            raise RequestRejected(f"request id {request.request_id!r} is already in use", param=None)
+        self.limits.check(request.prompt_token_ids, request.params)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if it is unknown or already done."""
@@ -128,11 +144,17 @@ class EngineCore:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Run one step. A failure inside the forward or the sampler fails only that step's requests
+        (finish reason ERROR, blocks freed); EngineDeadError when the engine itself cannot go on."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         self.stats.steps += 1
-        results = iter(self.runner.execute(out))
+        try:
+            results = iter(self.runner.execute(out))
+        except Exception as exc:
+            return self._fail_step(out, exc)
+        self.stats.consecutive_failures = 0
         outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
             req = s.request
@@ -141,6 +163,25 @@ class EngineCore:
             if s.samples:
                 outputs.append(self._append_token(req, next(results)))
         return outputs
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        log.exception("an engine step failed; failing its %d requests", len(out.scheduled))
+        self.stats.failed_steps += 1
+        self.stats.consecutive_failures += 1
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        failed = []
+        for s in out.scheduled:
+            if self.finish_request(s.request.request_id, FinishReason.ERROR):
+                failed.append(
+                    EngineCoreOutput(s.request.request_id, [], None, FinishReason.ERROR, error=message)
+                )
+        try:
+            self.pools.check_integrity()
+        except AssertionError as broken:
+            raise EngineDeadError(f"the KV pools are inconsistent after a failed step: {broken}") from exc
+        if self.stats.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self.stats.consecutive_failures} engine steps failed in a row") from exc
+        return failed
 
     def _append_token(self, req: Request, res: SampleResult) -> EngineCoreOutput:
         req.output_token_ids.append(res.token_id)
@@ -170,6 +211,23 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.coordinator.reset_prefix_cache()
+
+    def snapshot(self) -> EngineSnapshot:
+        s = self.scheduler
+        pools = {
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached) for n, p in self.pools.pools.items()
+        }
+        return EngineSnapshot(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            pools=pools,
+            prompt_tokens=s.prompt_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            generation_tokens=self.stats.generation_tokens,
+            steps=self.stats.steps,
+            failed_steps=self.stats.failed_steps,
+        )
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ class RequestState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # as the engine reports it (the request object may live in another process)
 
     @property
     def holdback(self) -> int:
@@ -73,6 +74,7 @@ class OutputProcessor:
 
     def _update(self, state: RequestState, out: EngineCoreOutput) -> str | None:
         state.token_ids += out.new_token_ids
+        state.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs is not None and state.logprobs is not None:
             for tok, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
                 self._name_tokens(entry)
@@ -128,7 +130,7 @@ class OutputProcessor:
             req.prompt_token_ids,
             [completion],
             finished,
-            req.num_cached_tokens,
+            state.num_cached_tokens,
             list(new_ids),
             delta,
         )

@@ -13,6 +13,7 @@ class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the step that ran the request failed; the engine went on without it
 
 
 class RequestStatus(Enum):
@@ -68,6 +69,7 @@ class SamplingParams:
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,12 +1,20 @@
-"""Token selection: penalties, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs."""
+"""Token selection: penalties, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs.
+
+Any parameters that SamplingParams accepts are numerically safe here: penalties stay finite, banned or
+out-of-vocabulary ids never crash, and a row with nothing left to draw from falls back to its best token.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from hybridserve.engine.request import Logprob, Request
+
+_F32 = torch.finfo(torch.float32)
+_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -28,29 +36,29 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        logits = logits.float()
+        logits = _finite(logits.float())
         raw = (
-            torch.log_softmax(logits, dim=-1)
+            _finite(torch.log_softmax(logits, dim=-1))
             if any(r.params.logprobs is not None for r in requests)
             else None
         )
-        logits = logits.clone()
+        penalised = logits.clone()
         for i, req in enumerate(requests):
-            _apply_min_tokens(logits[i], req)
-            _apply_penalties(logits[i], req)
-        tokens = self._choose(logits.cpu(), requests)
+            _apply_min_tokens(penalised[i], req)
+            _apply_penalties(penalised[i], req)
+        tokens = self._choose(penalised, _best_tokens(penalised, logits), requests)
         return [
             _result(tok, raw[i] if raw is not None else None, req)
             for i, (tok, req) in enumerate(zip(tokens, requests, strict=True))
         ]
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
+    def _choose(self, logits: torch.Tensor, best: list[int], requests: list[Request]) -> list[int]:
+        tokens = list(best)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not random_rows:
-            return list(greedy)
-        probs = _filtered_probs(logits[random_rows], [requests[i] for i in random_rows])
-        tokens = list(greedy)
+            return tokens
+        probs = _filtered_probs(logits[random_rows].cpu(), [requests[i] for i in random_rows])
+        probs = _or_one_hot(probs, torch.tensor([best[i] for i in random_rows], dtype=torch.long))
         unseeded = [j for j, i in enumerate(random_rows) if requests[i].generator is None]
         if unseeded:
             drawn = torch.multinomial(probs[unseeded], 1, generator=self.generator).flatten().tolist()
@@ -63,34 +71,61 @@ class Sampler:
         return tokens
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """NaN becomes -inf (never chosen), +inf the largest float; -inf stays, as it marks a ban."""
+    return torch.nan_to_num(x, nan=_NEG_INF, posinf=_F32.max, neginf=_NEG_INF)
+
+
+def _in_vocab(ids: Iterable[int], vocab: int) -> list[int]:
+    return [t for t in ids if 0 <= t < vocab]
+
+
 def _apply_min_tokens(row: torch.Tensor, req: Request) -> None:
     if len(req.output_token_ids) < req.params.min_tokens:
-        banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(req.eos_token_ids))
+        eos = () if req.params.ignore_eos else req.eos_token_ids
+        banned = _in_vocab([*req.params.stop_token_ids, *eos], row.shape[0])
         if banned:
-            row[banned] = float("-inf")
+            row[banned] = _NEG_INF
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:
     p = req.params
+    vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        seen = sorted(set(_in_vocab(req.all_token_ids, vocab)))
+        idx = torch.tensor(seen, dtype=torch.long, device=row.device)
+        row[idx] = _repetition_penalised(row[idx], p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+        out = torch.tensor(_in_vocab(req.output_token_ids, vocab), dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def _repetition_penalised(vals: torch.Tensor, penalty: float) -> torch.Tensor:
+    # In float32 a penalty of 1e-300 is 0 and one of 1e300 is inf, and either makes 0 * inf = NaN.
+    penalty = min(max(penalty, _F32.tiny), _F32.max)
+    scaled = torch.where(vals > 0, vals / penalty, vals * penalty).clamp(_F32.min, _F32.max)
+    return torch.where(torch.isneginf(vals), vals, scaled)
+
+
+def _best_tokens(penalised: torch.Tensor, logits: torch.Tensor) -> list[int]:
+    """Argmax of the penalised logits, or of the model's own where every token was banned."""
+    all_banned = torch.isneginf(penalised.amax(dim=-1, keepdim=True))
+    return torch.where(all_banned, logits, penalised).argmax(dim=-1).tolist()
+
+
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    vocab = logits.shape[1]
+    temps = torch.tensor([min(r.params.temperature, _F32.max) for r in requests], dtype=logits.dtype)
+    # With the best logit at 0, dividing by a tiny temperature can only underflow, never overflow.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(shifted / temps[:, None], dim=-1)
     min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0)
-    top_k = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in requests]
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests]
     top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
-    if min(top_k) < logits.shape[1] or bool((top_p < 1).any()):
+    if min(top_k) < vocab or bool((top_p < 1).any()):
         probs = _top_k_top_p(probs, torch.tensor(top_k), top_p)
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -105,6 +140,12 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
+def _or_one_hot(probs: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Rows left with nothing to draw from (every token banned) take their best token instead."""
+    usable = torch.isfinite(probs).all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0)
+    return torch.where(usable, probs, torch.nn.functional.one_hot(best, probs.shape[1]).to(probs.dtype))
+
+
 def _result(token: int, raw: torch.Tensor | None, req: Request) -> SampleResult:
     n = req.params.logprobs
     if raw is None or n is None:
@@ -112,7 +153,7 @@ def _result(token: int, raw: torch.Tensor | None, req: Request) -> SampleResult:
     chosen = float(raw[token])
     top: dict[int, Logprob] = {token: Logprob(chosen, int((raw > raw[token]).sum()) + 1)}
     if n > 0:
-        values, ids = raw.topk(n)
+        values, ids = raw.topk(min(n, raw.shape[0]))
         for rank, (tid, val) in enumerate(zip(ids.tolist(), values.tolist(), strict=True), start=1):
             top.setdefault(tid, Logprob(val, rank))
     return SampleResult(token, top)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.request import Request, RequestStatus
 
 
@@ -29,10 +31,50 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    deferred: list[Request] = field(default_factory=list)  # running prefills held back by the growth reserve
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+class _GrowthReserve:
+    """Free blocks per group kept for ``requests`` (older running ones) to compute their next tokens.
+
+    ``growth(req)`` is one request's need; the exact sum is taken only when the cheap bound,
+    ``per_request`` blocks in every group for each request, is not already left free.
+    """
+
+    def __init__(
+        self,
+        pools: BlockPoolSet,
+        requests: list[Request],
+        growth: Callable[[Request], dict[str, int]],
+        per_request: int,
+    ) -> None:
+        self.pools, self.requests, self.growth, self.per_request = pools, list(requests), growth, per_request
+        self._exact: dict[str, int] | None = None
+
+    def add(self, req: Request) -> None:
+        self.requests.append(req)
+        if self._exact is not None:
+            self._accumulate(self._exact, req)
+
+    def leaves(self, cost: dict[str, int]) -> bool:
+        """True if taking ``cost`` blocks per group still leaves the reserve free."""
+        bound = len(self.requests) * self.per_request
+        if all(self.pools[name].num_free - c >= bound for name, c in cost.items()):
+            return True
+        if self._exact is None:
+            self._exact = {}
+            for req in self.requests:
+                self._accumulate(self._exact, req)
+        exact = self._exact
+        return all(self.pools[name].num_free - c >= exact.get(name, 0) for name, c in cost.items())
+
+    def _accumulate(self, total: dict[str, int], req: Request) -> None:
+        for name, n in self.growth(req).items():
+            total[name] = total.get(name, 0) + n
 
 
 class Scheduler:
@@ -40,14 +82,31 @@ class Scheduler:
 
     When a request cannot get its blocks, a prefill chunk first shrinks; otherwise the newest running
     request is preempted (its blocks freed, recomputed later, prefix cache permitting for free).
+
+    Growth reserve: a new admission, or a prefill chunk of a running request, takes blocks only if every
+    group is left with enough free blocks (evictable cached ones included) for each *older* running
+    request to compute its next ``reserve_lookahead`` tokens (default one block; fewer when its
+    ``max_tokens`` ends sooner). Without it, admissions take the blocks that running decodes need on
+    the next steps, and those decodes then preempt the newest request: admission thrash. Decodes never
+    wait for the reserve; a prefill chunk that does not fit it waits (and admissions stop for the step).
+    Only older requests are protected, so the oldest running request never waits and a request that
+    fits the pool alone always runs. ``reserve_lookahead=0`` turns the reserve off.
     """
 
     def __init__(
-        self, coordinator: KvCacheCoordinator, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        coordinator: KvCacheCoordinator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        reserve_lookahead: int | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
+        # Tokens of growth kept free per older running request (see the class docstring).
+        self.reserve_lookahead = coordinator.block_tokens if reserve_lookahead is None else reserve_lookahead
+        if self.reserve_lookahead < 0:
+            raise ValueError("reserve_lookahead must be >= 0")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -73,7 +132,7 @@ class Scheduler:
             scheduled = self._schedule_running(req, budget, chosen, out)
             if scheduled is not None:
                 chosen[req.request_id] = scheduled
-        if not out.preempted:
+        if not out.preempted and not out.deferred:
             self._admit_waiting(self.budget - sum(s.num_tokens for s in chosen.values()), chosen)
         out.scheduled = list(chosen.values())
         return out
@@ -83,6 +142,13 @@ class Scheduler:
     ) -> ScheduledRequest | None:
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, budget)
+        older = self.running[: self.running.index(req)] if n > 1 and self.reserve_lookahead else []
+        if older:  # a prefill chunk leaves older running requests room to grow
+            fit = self._allocate(req, start, n, self._reserve(older, chosen))
+            if not fit:
+                out.deferred.append(req)
+                return None
+            return ScheduledRequest(req, start, fit)
         while True:
             fit = self._allocate(req, start, n)
             if fit:
@@ -92,13 +158,47 @@ class Scheduler:
             if victim is req:
                 return None
 
-    def _allocate(self, req: Request, start: int, n: int) -> int:
-        """Allocate for up to ``n`` tokens, halving a prefill chunk that does not fit; 0 on failure."""
+    def _allocate(self, req: Request, start: int, n: int, reserve: _GrowthReserve | None = None) -> int:
+        """Allocate for up to ``n`` tokens, halving a prefill chunk that does not fit; 0 on failure.
+
+        With ``reserve``, a chunk fits only if every group still has the reserve free after it.
+        """
+        rid = req.request_id
         while n >= 1:
-            if self.coordinator.allocate(req.request_id, start, start + n):
+            end = start + n
+            fits = reserve is None or reserve.leaves(self.coordinator.extension_cost(rid, start, end))
+            if fits and self.coordinator.allocate(rid, start, end):
                 return n
             n //= 2
         return 0
+
+    def _reserve(self, requests: list[Request], chosen: dict[str, ScheduledRequest]) -> _GrowthReserve:
+        """The blocks ``requests`` need to compute their next ``reserve_lookahead`` tokens."""
+        per_request = -(-self.reserve_lookahead // self.coordinator.block_tokens)  # a bound on _growth
+        return _GrowthReserve(
+            self.coordinator.pools, requests, lambda r: self._growth(r, chosen), per_request
+        )
+
+    def _growth(self, req: Request, chosen: dict[str, ScheduledRequest]) -> dict[str, int]:
+        """Most blocks per group ``req`` takes beyond what it holds while decoding its next tokens.
+
+        It holds blocks up to the end of its chunk this step (or of what it computed). Decoding token p
+        needs p's block and recycles window blocks before p's window, so the peak over the lookahead is
+        at its first token or where a new block starts; history groups only grow.
+        """
+        scheduled = chosen.get(req.request_id)
+        start = scheduled.end if scheduled is not None else req.num_computed_tokens
+        stop = start + self.reserve_lookahead
+        if req.max_tokens:  # the last sampled token is never computed
+            stop = min(stop, len(req.prompt_token_ids) + req.max_tokens - 1)
+        if stop <= start:
+            return {}
+        block = self.coordinator.block_tokens
+        peak: dict[str, int] = {}
+        for p in [start, *range((start // block + 1) * block, stop, block)]:
+            for name, n in self.coordinator.extension_cost(req.request_id, p, p + 1).items():
+                peak[name] = max(peak.get(name, 0), n)
+        return peak
 
     def _preempt(self, req: Request, chosen: dict[str, ScheduledRequest], out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -112,6 +212,9 @@ class Scheduler:
         out.preempted.append(req)
 
     def _admit_waiting(self, budget: int, chosen: dict[str, ScheduledRequest]) -> None:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return
+        reserve = self._reserve(self.running, chosen) if self.reserve_lookahead else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.coordinator.has_request(req.request_id):
@@ -122,7 +225,7 @@ class Scheduler:
                 if req.num_preemptions == 0:  # usage reports what the first admission found cached
                     req.num_cached_tokens = hit.num_tokens
             start = req.num_computed_tokens
-            n = self._allocate(req, start, min(req.num_tokens - start, budget))
+            n = self._allocate(req, start, min(req.num_tokens - start, budget), reserve)
             if not n:
                 self.coordinator.release(req.request_id)
                 req.num_computed_tokens = 0
@@ -135,6 +238,8 @@ class Scheduler:
             self.running.append(req)
             chosen[req.request_id] = ScheduledRequest(req, start, n)
             budget -= n
+            if reserve is not None:
+                reserve.add(req)
 
     def finish(self, req: Request) -> None:
         """Drop a finished or aborted request and return its blocks."""

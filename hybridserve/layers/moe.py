@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,8 +66,25 @@ class Router(nn.Module):
         return weights * self.scaling, indices
 
 
+def _grouped_mm_is_async(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` runs here without a host sync: on CPU, and in bf16 on sm90/sm100 (its
+    CUTLASS kernel); elsewhere torch falls back to copying the offsets to the host. Rows must be 16-byte
+    aligned, and torch.compile traces it in bf16 only."""
+    if (gate_up.shape[-1] * x.element_size()) % 16 or (down.shape[-1] * x.element_size()) % 16:
+        return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False
+    if x.device.type == "cpu":
+        return True
+    is_cuda_bf16 = x.device.type == "cuda" and x.dtype == torch.bfloat16
+    return is_cuda_bf16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
 class Experts(nn.Module):
-    """Routed experts stored stacked: ``gate_up`` [E, 2I, D] (w1 then w3) and ``down`` [E, D, I]."""
+    """Routed experts stored stacked: ``gate_up`` [E, 2I, D] (w1 then w3) and ``down`` [E, D, I].
+
+    A fixed number of ops whatever experts are hit, with no host sync (static shapes given T).
+    """
 
     def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
@@ -74,21 +93,44 @@ class Experts(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        order = torch.argsort(indices.flatten(), stable=True)
-        counts = torch.bincount(indices.flatten(), minlength=self.gate_up.shape[0]).tolist()
-        tokens = order // indices.shape[1]
-        flat_w = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx, w = tokens[start : start + n], flat_w[start : start + n]
-            start += n
-            gate, up = F.linear(x[idx], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down[e]) * w[:, None]
-            out.index_add_(0, idx, y.to(out.dtype))
-        return out
+        """Each token sums its experts' outputs one by one in x's dtype, in ascending expert id order
+        (ties by slot): a fixed order, independent of the other tokens."""
+        experts, slot = indices.sort(dim=1, stable=True)
+        y = self._expert_outputs(x, experts)
+        terms = (y * weights.gather(1, slot)[..., None]).to(x.dtype)
+        return functools.reduce(torch.add, terms.unbind(1))
+
+    def _expert_outputs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[T, D], expert ids [T, k] -> each (token, slot)'s expert output [T, k, D]. Chosen by device,
+        dtype and shapes only: grouped where that has no host sync; else gathered weights while their T*k
+        copies are fewer than the experts, else every expert on every token."""
+        if _grouped_mm_is_async(x, self.gate_up, self.down):
+            return self._grouped(x, experts)
+        if experts.numel() < self.gate_up.shape[0]:
+            return self._gathered(x, experts)
+        return self._dense(x, experts)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, one grouped matmul per weight (per expert the same matmul as a loop
+        over experts would do); the group offsets stay on the device."""
+        k = experts.shape[1]
+        sorted_ids, order = experts.flatten().sort(stable=True)
+        ids = torch.arange(self.gate_up.shape[0], device=x.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+        gate, up = F.grouped_mm(x[order // k], self.gate_up.mT, offs=offs).chunk(2, dim=-1)
+        y = F.grouped_mm(clamped_swiglu(gate, up, self.limit), self.down.mT, offs=offs)
+        return torch.empty_like(y).index_copy_(0, order, y).view(*experts.shape, y.shape[-1])
+
+    def _gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) row times its own copy of its expert's weights: T*k copies, for few rows."""
+        gate, up = (x[:, None, None, :] @ self.gate_up[experts].mT).chunk(2, dim=-1)
+        return (clamped_swiglu(gate, up, self.limit) @ self.down[experts].mT).squeeze(2)
+
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, then each token's own picked: E/k times the flops needed."""
+        gate, up = (x @ self.gate_up.mT).chunk(2, dim=-1)
+        y = (clamped_swiglu(gate, up, self.limit) @ self.down.mT).transpose(0, 1)
+        return y.gather(1, experts[..., None].expand(-1, -1, y.shape[-1]))
 
 
 class MoE(nn.Module):

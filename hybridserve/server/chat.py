@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
@@ -25,27 +26,33 @@ from hybridserve.server.protocol import (
 from hybridserve.server.serving import (
     ServerSettings,
     check_model,
+    check_text_fits,
     final_outputs,
     new_id,
+    off_loop,
     sampling_params,
     start,
     usage,
 )
-from hybridserve.server.streams import sse
+from hybridserve.server.streams import guarded, sse
 from hybridserve.tokenizer import Tokenizer
 
 
-def _prompt(body: ChatCompletionRequest, tokenizer: Tokenizer | None) -> tuple[list[int], str]:
+async def _prompt(body: ChatCompletionRequest, llm: AsyncLLM) -> tuple[list[int], str]:
+    tokenizer = llm.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so chat is unavailable: use /v1/completions")
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
     ]
+    content = "".join(m["content"] for m in messages)
+    check_text_fits(llm, content, "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False), text
+        return await off_loop(
+            len(content), partial(tokenizer.encode_chat, messages, body.add_generation_prompt)
+        )
+    except ValueError as exc:  # the template's raise_exception, or text the template cannot escape
+        raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from exc
 
 
 def _unsupported(body: ChatCompletionRequest) -> None:
@@ -93,7 +100,7 @@ async def create_chat_completion(
 ) -> Response:
     check_model(body, settings)
     _unsupported(body)
-    ids, text = _prompt(body, llm.tokenizer)
+    ids, text = await _prompt(body, llm)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
     params = sampling_params(body, settings, max_tokens, top if body.logprobs else None)
@@ -101,7 +108,7 @@ async def create_chat_completion(
     requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text])
     if body.stream:
         return StreamingResponse(
-            _stream(body, base, ids, requests, outputs, llm, top), media_type="text/event-stream"
+            guarded(_stream(body, base, ids, requests, outputs, llm, top)), media_type="text/event-stream"
         )
 
     finals = await final_outputs(raw, outputs, len(requests))

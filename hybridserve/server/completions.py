@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
@@ -19,38 +20,51 @@ from hybridserve.server.protocol import (
 from hybridserve.server.serving import (
     ServerSettings,
     check_model,
+    check_text_fits,
     final_outputs,
     new_id,
+    off_loop,
     sampling_params,
     start,
     usage,
 )
-from hybridserve.server.streams import sse
+from hybridserve.server.streams import guarded, sse
 from hybridserve.tokenizer import Tokenizer
 
 
-def _prompts(
-    body: CompletionRequest, tokenizer: Tokenizer | None
-) -> tuple[list[list[int]], list[str | None]]:
+def _items(body: CompletionRequest) -> list[str | list[int]]:
     p = body.prompt
-    items: list[str | list[int]]
     if isinstance(p, str):
-        items = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        items = [list(p)]  # type: ignore[arg-type]
-    else:
-        items = list(p)  # type: ignore[arg-type]
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]
+
+
+def _check_ids(ids: list[int], vocab_size: int) -> None:
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise APIError(
+            400, f"prompt token ids must be in [0, {vocab_size})", param="prompt", code="invalid_prompt"
+        )
+
+
+async def _prompts(body: CompletionRequest, llm: AsyncLLM) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text of each prompt; ids are checked before anything decodes them."""
+    tokenizer = llm.tokenizer
     ids: list[list[int]] = []
     texts: list[str | None] = []
-    for item in items:
+    for item in _items(body):
         if isinstance(item, str):
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            ids.append(tokenizer.encode(item))
+            check_text_fits(llm, item, "prompt")
+            ids.append(await off_loop(len(item), partial(tokenizer.encode, item)))
             texts.append(item)
         else:
+            _check_ids(item, llm.vocab_size)
             ids.append(list(item))
-            texts.append(tokenizer.decode(list(item)) if tokenizer is not None else None)
+            decode = partial(tokenizer.decode, list(item)) if tokenizer is not None else None
+            texts.append(await off_loop(len(item) * 4, decode) if decode is not None else None)
     return ids, texts
 
 
@@ -86,13 +100,14 @@ async def create_completion(
 ) -> Response:
     check_model(body, settings)
     _unsupported(body)
-    prompts, texts = _prompts(body, llm.tokenizer)
+    prompts, texts = await _prompts(body, llm)
     params = sampling_params(body, settings, body.max_tokens, body.logprobs)
     base = new_id("cmpl")
     requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts)
     if body.stream:
         return StreamingResponse(
-            _stream(body, base, prompts, texts, requests, outputs, llm), media_type="text/event-stream"
+            guarded(_stream(body, base, prompts, texts, requests, outputs, llm)),
+            media_type="text/event-stream",
         )
 
     finals = await final_outputs(raw, outputs, len(requests))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -12,12 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
+
+log = logging.getLogger("hybridserve.server")
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -33,6 +40,22 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def from_engine(exc: BaseException) -> APIError:
+    """The HTTP error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="engine_step_failed")
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc), code="server_shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_failed")
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
 def error_body(
@@ -86,3 +109,12 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambd
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
         return error_response(400, f"the request body is not valid JSON: {exc.msg}")
+
+    async def _engine(_: Request, exc: Exception) -> JSONResponse:
+        error = from_engine(exc)
+        on_error(error.status)
+        return error_response(error.status, error.message, error.param, error.code, error.headers)
+
+    for engine_error in (RequestRejected, RequestFailedError, EngineStoppedError, EngineDeadError):
+        app.add_exception_handler(engine_error, _engine)
+    app.add_exception_handler(Exception, _engine)  # anything else: a JSON 500, logged

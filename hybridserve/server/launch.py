@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from hybridserve.config import EngineConfig
-from hybridserve.server.openai_api import build_app
+from hybridserve.server.openai_api import AppState, build_app
 from hybridserve.server.serving import ServerSettings, generation_defaults
+
+# uvicorn's own deadline comes this long after ours, so that requests we fail at ours can still send
+# their error (a JSON 503, or an error event and [DONE]) before uvicorn cuts the connections.
+_CLOSE_MARGIN_S = 5.0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after a graceful shutdown (exit status -15); we exit 0 instead."""
+    """On SIGTERM: stop accepting, let in-flight requests finish for the grace period, then fail the
+    rest with a 503 and exit 0. uvicorn would re-raise SIGTERM (exit status -15); we do not."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+        state.request_exit = self._exit_soon
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(self.state.begin_drain, self.grace_s)
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+
+    def _exit_soon(self) -> None:
+        self.should_exit = True
 
 
 def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> ServerSettings:
@@ -39,14 +58,17 @@ def serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli(args)
     settings = settings_from_args(args, config)
     app = build_app(config, settings)
+    state: AppState = app.state.hs
     server = _Server(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=int(args.shutdown_grace),
-        )
+            timeout_graceful_shutdown=math.ceil(args.shutdown_grace + _CLOSE_MARGIN_S),
+        ),
+        state,
+        args.shutdown_grace,
     )
     logging.getLogger("hybridserve.server").info(
         "serving %s at http://%s:%d/v1 (health: /health, metrics: /metrics)",
@@ -55,4 +77,4 @@ def serve(args: argparse.Namespace) -> int:
         args.port,
     )
     server.run()
-    return 0
+    return 1 if state.fatal is not None else 0

@@ -1,4 +1,4 @@
-"""ASGI middleware: refuse request bodies over a size limit with 413 (declared or chunked)."""
+"""Request limits: oversize bodies (413, ASGI middleware) and POSTs a browser could send cross-site."""
 
 from __future__ import annotations
 
@@ -50,7 +50,23 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps(error_body(413, f"request body is larger than {self.max_bytes:,} bytes")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _send_error(send, 413, f"request body is larger than {self.max_bytes:,} bytes")
+
+
+# What a browser sends cross-site without a CORS preflight ("simple requests").
+_SIMPLE_TYPES = {b"", b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data"}
+
+
+def could_be_cross_site_without_preflight(method: str, content_type: str, has_authorization: bool) -> bool:
+    """True for a state-changing request a web page on another site could send with no CORS preflight:
+    a POST with no JSON content type and no Authorization header. Anything else needs a preflight,
+    which this server never grants, so a page on another site cannot drive it."""
+    mime = content_type.split(";")[0].strip().lower().encode()
+    return method in ("POST", "PUT", "PATCH", "DELETE") and mime in _SIMPLE_TYPES and not has_authorization
+
+
+async def _send_error(send: Any, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

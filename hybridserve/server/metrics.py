@@ -22,32 +22,37 @@ class _EngineCollector(Collector):
         llm = self.metrics.llm
         if llm is None:
             return
-        core = llm.core
-        yield _gauge(
-            "hybridserve_num_requests_running", "requests running in the engine", len(core.scheduler.running)
-        )
+        stats = llm.stats
+        yield _gauge("hybridserve_num_requests_running", "requests running in the engine", stats.num_running)
         yield _gauge("hybridserve_num_requests_waiting", "requests waiting to start", llm.num_waiting)
         used = GaugeMetricFamily("hybridserve_kv_blocks_used", "KV cache blocks in use", labels=["group"])
         total = GaugeMetricFamily("hybridserve_kv_blocks_total", "usable KV cache blocks", labels=["group"])
         cached = GaugeMetricFamily(
             "hybridserve_kv_blocks_cached", "blocks findable by prefix", labels=["group"]
         )
-        for name, pool in core.pools.pools.items():
-            used.add_metric([name], pool.num_used)
-            total.add_metric([name], pool.plan.usable_blocks)
-            cached.add_metric([name], pool.num_cached)
+        for name, pool in stats.pools.items():
+            used.add_metric([name], pool.used)
+            total.add_metric([name], pool.total)
+            cached.add_metric([name], pool.cached)
         yield from (used, total, cached)
-        s = core.scheduler
-        yield _counter("hybridserve_prompt_tokens", "prompt tokens admitted", s.prompt_tokens)
-        yield _counter("hybridserve_generation_tokens", "tokens generated", core.stats.generation_tokens)
+        yield _counter("hybridserve_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
+        yield _counter("hybridserve_generation_tokens", "tokens generated", stats.generation_tokens)
         yield _counter(
-            "hybridserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.prompt_tokens
+            "hybridserve_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            stats.prompt_tokens,
         )
         yield _counter(
-            "hybridserve_prefix_cache_hits", "prompt tokens found in the prefix cache", s.prefix_hit_tokens
+            "hybridserve_prefix_cache_hits",
+            "prompt tokens found in the prefix cache",
+            stats.prefix_hit_tokens,
         )
-        yield _counter("hybridserve_num_preemptions", "requests preempted for recompute", s.num_preemptions)
-        rate = s.prefix_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        yield _counter(
+            "hybridserve_num_preemptions", "requests preempted for recompute", stats.num_preemptions
+        )
+        yield _counter("hybridserve_engine_steps", "engine steps run", stats.steps)
+        yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
+        rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
 
 

@@ -10,19 +10,28 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import Request as HTTPRequest
 
+from hybridserve import __version__
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
 from hybridserve.engine.request import RequestOutput
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
-from hybridserve.server.limits import BodySizeLimit
+from hybridserve.server.limits import BodySizeLimit, could_be_cross_site_without_preflight
 from hybridserve.server.metrics import ServerMetrics
-from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from hybridserve.server.serving import ServerSettings
+from hybridserve.server.openapi import GENERATE_RESPONSES, responses
+from hybridserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from hybridserve.server.serving import ServerSettings, api_id
 
 log = logging.getLogger("hybridserve.server")
 
@@ -33,15 +42,33 @@ class AppState:
         self.metrics = ServerMetrics()
         self.llm: AsyncLLM | None = None
         self.load_error: BaseException | None = None
+        self.draining = False
+        self.fatal: BaseException | None = None  # the engine died: the process must exit non-zero
+        self.request_exit: Callable[[], None] = lambda: None  # set by the launcher (uvicorn)
 
     def engine(self) -> AsyncLLM:
-        """The running engine, or 503 while it loads or after it failed."""
+        """The running engine, or 503 while it loads, after it failed, or while the server drains."""
         failure = self.load_error or (self.llm.errored if self.llm is not None else None)
         if failure is not None:
             raise APIError(503, f"the engine failed: {failure}", code="engine_failed")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.llm is None or not self.llm.ready:
             raise APIError(503, "the engine is loading", code="engine_not_ready")
         return self.llm
+
+    def die(self, exc: BaseException) -> None:
+        """The engine cannot go on: never stay up half-dead; exit so an orchestrator restarts us."""
+        log.critical("the engine cannot go on (%s); exiting", exc)
+        self.fatal = exc
+        self.request_exit()
+
+    def begin_drain(self, grace_s: float) -> None:
+        """SIGTERM: refuse new requests; past ``grace_s`` fail the unfinished ones with a 503."""
+        self.draining = True
+        if self.llm is not None:
+            llm = self.llm
+            asyncio.get_running_loop().call_later(grace_s, llm.stop_all, "the server shut down")
 
 
 def _log_finished(out: RequestOutput, timing: RequestTiming | None) -> None:
@@ -67,12 +94,14 @@ def build_app(
             llm = await asyncio.to_thread(make_engine, config)
             llm.start()
             llm.on_finish.append(_log_finished)
+            llm.on_fatal.append(state.die)
             state.metrics.attach(llm)
             state.llm = llm
             _log_startup(llm, settings)
         except Exception as exc:
             log.exception("could not start the engine")
             state.load_error = exc
+            state.die(exc)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,9 +109,9 @@ def build_app(
         yield
         await asyncio.wait({loading})
         if state.llm is not None:
-            await asyncio.to_thread(state.llm.shutdown)
+            await state.llm.shutdown()
 
-    app = FastAPI(title="hybridserve", lifespan=lifespan)
+    app = FastAPI(title="hybridserve", version=__version__, lifespan=lifespan)
     app.state.hs = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app, on_error=lambda status: state.metrics.rejected.labels(str(status)).inc())
@@ -91,15 +120,15 @@ def build_app(
 
 
 def _log_startup(llm: AsyncLLM, settings: ServerSettings) -> None:
-    core = llm.core
+    info = llm.info
     log.info(
         "model %s (%s) on %s, dtype %s; cache: %d tokens per request at most, %s",
         settings.model_name,
         llm.config.model,
-        core.device,
-        str(core.dtype).removeprefix("torch."),
-        core.max_request_tokens,
-        f"{core.plan.total_bytes / 2**20:.1f} MiB in {len(core.plan.groups)} groups",
+        info.device,
+        info.dtype,
+        llm.max_request_tokens,
+        f"{info.cache_bytes / 2**20:.1f} MiB in {info.num_cache_groups} groups",
     )
 
 
@@ -115,44 +144,66 @@ def _routes(app: FastAPI, state: AppState) -> None:
                 401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
             )
 
-    guarded: Any = [Depends(auth)]
+    def same_site(request: HTTPRequest) -> None:
+        content_type = request.headers.get("content-type", "")
+        if could_be_cross_site_without_preflight(
+            request.method, content_type, "authorization" in request.headers
+        ):
+            raise APIError(415, "send Content-Type: application/json (or an Authorization header)")
 
-    @app.get("/health")
-    async def health() -> Response:
+    guarded: Any = [Depends(auth), Depends(same_site)]
+
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=responses(503))
+    async def health() -> JSONResponse:
+        """200 with ``{"status": "ok"}`` when the engine serves; 503 while loading, draining or failed."""
         state.engine()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, response_model=ModelList, responses=responses(401, 503))
     async def models() -> JSONResponse:
         llm = state.engine()
         card = ModelCard(
-            id=state.settings.model_name, root=llm.config.model, max_model_len=llm.core.max_request_tokens
+            id=state.settings.model_name, root=llm.config.model, max_model_len=llm.max_request_tokens
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post(
+        "/v1/completions",
+        dependencies=guarded,
+        response_model=CompletionResponse,
+        responses=GENERATE_RESPONSES,
+    )
     async def completions(body: CompletionRequest, raw: HTTPRequest) -> Response:
         return await create_completion(body, raw, state.engine(), state.settings)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=guarded,
+        response_model=ChatCompletionResponse,
+        responses=GENERATE_RESPONSES,
+    )
     async def chat(body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(body, raw, state.engine(), state.settings)
 
-    @app.post("/v1/requests/{request_id}/abort", dependencies=guarded)
+    @app.post(
+        "/v1/requests/{request_id}/abort", dependencies=guarded, responses=responses(401, 404, 415, 503)
+    )
     async def abort(request_id: str) -> JSONResponse:
+        """Abort one request, all of its choices, by the exact id its response carries (``cmpl-…`` or
+        ``chatcmpl-…``: 128 random bits, so only a client that saw the response can name it)."""
         llm = state.engine()
-        aborted = [r for r in llm.request_ids() if r == request_id or r.startswith(request_id + "-")]
+        aborted = [r for r in llm.request_ids() if api_id(r) == request_id]
         for r in aborted:
             llm.abort(r)
         if not aborted:
             return error_response(404, f"no running request {request_id!r}", code="request_not_found")
         return JSONResponse({"id": request_id, "aborted": len(aborted)})
 
-    @app.post("/v1/cache/reset", dependencies=guarded)
+    @app.post("/v1/cache/reset", dependencies=guarded, responses=responses(401, 415, 503))
     async def reset_cache() -> JSONResponse:
         await state.engine().reset_prefix_cache()
         return JSONResponse({"reset": True})

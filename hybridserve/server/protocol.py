@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _first_ill_formed(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that is not valid UTF-8 (lone surrogates)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        bad = _first_ill_formed(item, f"{path}.{key}" if path else str(key))
+        if bad is not None:
+            return bad
+    return None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        bad = _first_ill_formed(data)
+        if bad is not None:
+            raise ValueError(f"{bad} is not valid UTF-8 text (it holds a lone surrogate)")
+        return data
 
 
 class StreamOptions(_Strict):
@@ -31,9 +56,9 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stream: bool = False

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
-from hybridserve.engine.core import RequestRejected
+from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Request, RequestOutput, SamplingParams
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
@@ -28,6 +29,12 @@ class ServerSettings:
     retry_after_s: int = 1
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
+
+T = TypeVar("T")
+
+# Inputs longer than this (characters or token ids) are tokenised / rendered in a worker thread, so
+# that one large request never stalls the event loop; short ones stay inline (a thread hop costs ~50us).
+OFF_LOOP_CHARS = 16_384
 
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -80,7 +87,32 @@ def check_model(body: _SamplingFields, settings: ServerSettings) -> None:
 
 
 def new_id(prefix: str) -> str:
+    """An API id: 128 random bits, so only its holder can name it (e.g. to abort it)."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def api_id(request_id: str) -> str:
+    """The API id an engine request id belongs to (``{api id}-{prompt}-{choice}``)."""
+    return request_id.rsplit("-", 2)[0]
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """Run ``work`` inline when the input is small, else in a worker thread."""
+    return work() if size <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
+
+
+def check_text_fits(llm: AsyncLLM, text: str, param: str) -> None:
+    """400 for text that cannot fit in a request whatever it tokenises to, before tokenising it."""
+    assert llm.tokenizer is not None
+    least, limit = llm.tokenizer.min_num_tokens(text), llm.max_request_tokens
+    if least > limit:
+        raise APIError(
+            400,
+            f"{param} is {len(text):,} characters, at least {least:,} tokens, but this server holds at most "
+            f"{limit:,} tokens per request",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def fan_out(
@@ -107,7 +139,15 @@ def _admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> 
         try:
             llm.check(r)
         except RequestRejected as exc:
-            raise APIError(400, str(exc), param="prompt", code=exc.code) from exc
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
+    if len(requests) > settings.max_queue:
+        raise APIError(
+            400,
+            f"this request fans out to {len(requests)} sequences (prompts x n) but the server queues at "
+            f"most {settings.max_queue}; send fewer prompts or a smaller n",
+            param="n",
+            code="too_many_sequences",
+        )
     if llm.num_waiting + len(requests) > settings.max_queue:
         raise APIError(
             429,

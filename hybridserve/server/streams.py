@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
 
+from hybridserve.server.errors import error_body, from_engine
+
 T = TypeVar("T")
 _DONE = object()
 
@@ -68,6 +70,20 @@ async def unless_disconnected(request: HTTPRequest, work: Callable[[], Awaitable
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE events through; an error mid-stream becomes an OpenAI-style error event and ``[DONE]``
+    (the status line has already gone out, so the error must travel in the stream)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        error = from_engine(exc)
+        yield sse(error_body(error.status, error.message, error.param, error.code))
+        yield sse("[DONE]")
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 def sse(payload: BaseModel | dict[str, Any] | str) -> str:

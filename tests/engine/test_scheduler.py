@@ -1,15 +1,22 @@
 """Continuous batching behaviour a user notices: decodes are never starved, long prompts are chunked,
-preemption picks the newest request and never corrupts the others."""
+preemption picks the newest request and never corrupts the others, and new admissions leave running
+requests room to grow (the growth reserve) instead of evicting them."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.plan import build_plan
+from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from tests.cache.helpers import toy_specs
+from tests.tiny_models import VOCAB
 
 
 def _llm(folder: Path, **kw: Any) -> LLM:
@@ -72,3 +79,76 @@ def test_preemption_takes_the_newest_and_recomputes_it(tiny_checkpoint: Callable
         assert victim == running[-1], "preemption must take the newest running request"
     assert [o.outputs[0].token_ids for o in got] == expected
     assert tight.engine.pools.all_free()
+
+
+def _mixed_workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 4-40 tokens with 2-24 new tokens: each fits a 16-block pool alone, not all at once."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 24), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_new_admissions_do_not_preempt_running_requests(tiny_checkpoint: Callable[[str], Path]) -> None:
+    folder = tiny_checkpoint("mixed")
+    prompts, params = _mixed_workload(40, seed=0)
+    kw: dict[str, Any] = dict(max_num_seqs=8, max_num_batched_tokens=32)
+    expected = _tokens(_llm(folder, **kw), prompts, params)
+    per_request = {}
+    for lookahead in (0, None):  # 0: no reserve (admit whenever the first chunk fits now); None: default
+        tight = _llm(folder, num_blocks=16, **kw)
+        if lookahead is not None:
+            tight.engine.scheduler.reserve_lookahead = lookahead
+        assert _tokens(tight, prompts, params) == expected
+        assert tight.engine.pools.all_free()
+        tight.engine.pools.check_integrity()
+        per_request[lookahead] = tight.engine.scheduler.num_preemptions / len(prompts)
+    assert per_request[0] >= 0.3, "the pool was meant to make admissions evict running requests"
+    assert per_request[None] <= 0.05, f"{per_request[None]:.3f} preemptions per request with the reserve"
+
+
+def test_a_request_needing_the_whole_pool_still_runs(tiny_checkpoint: Callable[[str], Path]) -> None:
+    folder = tiny_checkpoint("mixed")
+    rng = random.Random(1)
+    small = [[rng.randrange(3, VOCAB) for _ in range(12)] for _ in range(6)]
+    big = [rng.randrange(3, VOCAB) for _ in range(100)]  # + 27 new tokens: 126 computed, all 16 blocks
+    prompts = [*small[:3], big, *small[3:]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=27 if p is big else 10, ignore_eos=True) for p in prompts
+    ]
+    kw: dict[str, Any] = dict(max_num_seqs=8, max_num_batched_tokens=32)
+    expected = _tokens(_llm(folder, **kw), prompts, params)
+    tight = _llm(folder, num_blocks=16, **kw)
+    assert tight.engine.max_request_tokens == 128
+    assert _tokens(tight, [big], params[3:4]) == expected[3:4]  # alone
+    assert _tokens(tight, prompts, params) == expected  # queued between requests that hold blocks
+    assert tight.engine.pools.all_free()
+
+
+def test_extension_cost_is_what_allocate_takes() -> None:
+    """The scheduler's reserve arithmetic: ``extension_cost`` equals the drop in free blocks, window
+    recycling and blocks shared with another request included."""
+    plan = build_plan(toy_specs(window=5, rate=2), 4, 4, 16, num_blocks=64)
+    pools = BlockPoolSet(plan, "cpu")
+    coord = KvCacheCoordinator(plan, pools)
+    rng = random.Random(0)
+    tokens = [rng.randrange(3, 50) for _ in range(80)]
+    coord.allocate("a", 0, 24)
+    coord.publish("a", tokens, 24)
+    hit = coord.probe(tokens[:30])
+    assert hit.num_tokens == 24
+    coord.admit_prefix("b", hit, tokens)
+    ends = {"a": 24, "b": 24}
+    for _ in range(40):
+        rid = rng.choice(["a", "b", "c"])
+        start = ends.get(rid, 0)
+        end = start + rng.choice([1, 1, 1, 3, 7])
+        free = {name: p.num_free for name, p in pools.pools.items()}
+        cost = coord.extension_cost(rid, start, end)
+        assert coord.allocate(rid, start, end)
+        assert cost == {name: free[name] - p.num_free for name, p in pools.pools.items()}
+        ends[rid] = end

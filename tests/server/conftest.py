@@ -53,7 +53,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(folder: Path, *extra: str) -> Server:
+def start_server(folder: Path, *extra: str, plugins: str = "") -> Server:
     port = free_port()
     cmd = [
         sys.executable,
@@ -72,7 +72,7 @@ def start_server(folder: Path, *extra: str) -> Server:
         "warning",
         *extra,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDSERVE_PLUGINS=plugins)
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

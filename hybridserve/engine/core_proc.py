@@ -1,0 +1,159 @@
+"""The engine-core process: load the model, then a busy loop of (apply messages, step, send outputs).
+
+vLLM V1's shape: the API process tokenises, detokenises and streams; this process only schedules and
+runs the model, so neither waits on the other's GIL. Messages are msgspec msgpack over two ZMQ PUSH/PULL
+sockets that the API process binds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.core import EngineCore
+from hybridserve.engine.errors import RequestRejected
+from hybridserve.engine.messages import (
+    AddRequest,
+    CoreInput,
+    EngineFailed,
+    EngineReady,
+    FinishRequests,
+    Rejected,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    decode_input,
+    encode,
+)
+from hybridserve.engine.request import Request
+
+log = logging.getLogger("hybridserve.engine")
+
+# Idle, the core wakes this often to notice that the API process is gone.
+_PARENT_CHECK_MS = 1000
+PLUGINS_ENV = "HYBRIDSERVE_PLUGINS"
+
+
+@dataclass
+class CoreAddresses:
+    inputs: str  # API -> core
+    outputs: str  # core -> API
+
+
+def load_plugins() -> None:
+    """Call each ``module:function`` in $HYBRIDSERVE_PLUGINS (comma-separated) in this process, the way
+    vLLM's plugins run in every worker: extensions, instrumentation, fault injection for tests."""
+    for spec in filter(None, os.environ.get(PLUGINS_ENV, "").split(",")):
+        module, _, name = spec.strip().partition(":")
+        getattr(importlib.import_module(module), name)()
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads: int, log_level: int) -> None:
+    """Process entry point; exits 0 on shutdown, 1 when the engine failed."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    torch.set_num_threads(num_threads)
+    ctx = zmq.Context()
+    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.connect(addresses.inputs)
+    outputs.connect(addresses.outputs)
+    status = 1
+    try:
+        load_plugins()
+        core = EngineCore(config)
+        outputs.send(encode(_ready(core)))
+        status = CoreLoop(core, inputs, outputs).run()
+    except BaseException as exc:  # the API process must hear why, then this process exits non-zero
+        log.exception("the engine core failed")
+        outputs.send(encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
+    finally:
+        outputs.close(linger=2000)
+        inputs.close(linger=0)
+        ctx.term()
+    sys.exit(status)
+
+
+def _ready(core: EngineCore) -> EngineReady:
+    return EngineReady(
+        limits=core.limits,
+        device=str(core.device),
+        dtype=str(core.dtype).removeprefix("torch."),
+        cache_bytes=core.plan.total_bytes,
+        num_cache_groups=len(core.plan.groups),
+        snapshot=core.snapshot(),
+    )
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent = os.getppid()
+
+    def run(self) -> int:
+        """Until Shutdown (-> 0) or the API process is gone (-> 1); engine failures raise."""
+        while True:
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.inputs.poll(_PARENT_CHECK_MS):
+                if os.getppid() != self.parent:
+                    log.error("the API process is gone; exiting")
+                    return 1
+                continue
+            handled = self._drain()
+            if handled is None:
+                return 0
+            step = self.core.step() if self.core.has_unfinished_requests() else []
+            if step or handled:
+                self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
+
+    def _drain(self) -> int | None:
+        """Apply every queued message; -> how many, or None on Shutdown."""
+        handled = 0
+        while True:
+            try:
+                data = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            message = decode_input(data)
+            if isinstance(message, Shutdown):
+                return None
+            self._apply(message)
+            handled += 1
+
+    def _apply(self, message: CoreInput) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, FinishRequests):
+            for request_id in message.request_ids:
+                self.core.finish_request(request_id, message.reason, message.stop_reason)
+        elif isinstance(message, UtilityCall):
+            self._call(message)
+
+    def _add(self, message: AddRequest) -> None:
+        request = Request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt)
+        try:
+            self.core.add_request(request)
+        except RequestRejected as exc:
+            self.outputs.send(encode(Rejected(message.request_id, str(exc), exc.code, exc.param)))
+
+    def _call(self, message: UtilityCall) -> None:
+        error = None
+        if message.method not in _UTILITIES:
+            error = f"unknown utility {message.method!r}"
+        else:
+            try:
+                getattr(self.core, message.method)()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self.outputs.send(encode(UtilityResult(message.call_id, error)))
+
+
+_UTILITIES = frozenset({"reset_prefix_cache"})
