@@ -19,6 +19,7 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.server.serving import (
     ServerSettings,
+    check_fan_out,
     check_model,
     check_text_fits,
     final_outputs,
@@ -48,12 +49,16 @@ def _check_ids(ids: list[int], vocab_size: int) -> None:
         )
 
 
-async def _prompts(body: CompletionRequest, llm: AsyncLLM) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids and text of each prompt; ids are checked before anything decodes them."""
+async def _prompts(
+    body: CompletionRequest, llm: AsyncLLM, settings: ServerSettings
+) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text of each prompt; counts and ids are checked before anything (de)codes them."""
     tokenizer = llm.tokenizer
     ids: list[list[int]] = []
     texts: list[str | None] = []
-    for item in _items(body):
+    items = _items(body)
+    check_fan_out(len(items) * body.n, settings)
+    for item in items:
         if isinstance(item, str):
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
@@ -100,7 +105,7 @@ async def create_completion(
 ) -> Response:
     check_model(body, settings)
     _unsupported(body)
-    prompts, texts = await _prompts(body, llm)
+    prompts, texts = await _prompts(body, llm, settings)
     params = sampling_params(body, settings, body.max_tokens, body.logprobs)
     base = new_id("cmpl")
     requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts)

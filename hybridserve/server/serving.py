@@ -133,6 +133,18 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
+def check_fan_out(num_sequences: int, settings: ServerSettings) -> None:
+    """400 for a request that fans out (prompts x n) beyond what the queue can ever hold."""
+    if num_sequences > settings.max_queue:
+        raise APIError(
+            400,
+            f"this request fans out to {num_sequences} sequences (prompts x n) but the server queues at "
+            f"most {settings.max_queue}; send fewer prompts or a smaller n",
+            param="n",
+            code="too_many_sequences",
+        )
+
+
 def _admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> None:
     """Refuse what can never run (400) and what the queue has no room for (429)."""
     for r in requests:
@@ -140,14 +152,7 @@ def _admit(llm: AsyncLLM, settings: ServerSettings, requests: list[Request]) -> 
             llm.check(r)
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
-    if len(requests) > settings.max_queue:
-        raise APIError(
-            400,
-            f"this request fans out to {len(requests)} sequences (prompts x n) but the server queues at "
-            f"most {settings.max_queue}; send fewer prompts or a smaller n",
-            param="n",
-            code="too_many_sequences",
-        )
+    check_fan_out(len(requests), settings)
     if llm.num_waiting + len(requests) > settings.max_queue:
         raise APIError(
             429,
