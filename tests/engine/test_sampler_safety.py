@@ -159,6 +159,21 @@ def test_min_tokens_banning_everything_falls_back_to_the_model_best(temperature:
     assert res.token_id == 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_repetition_penalty_keeps_banned_ids_banned(temperature: float) -> None:
+    """Every id is both seen and banned: the penalty must not turn a ban (-inf) into a finite logit."""
+    res = _one(
+        [0.0, 4.0, 1.0],
+        [0, 1, 2],
+        min_tokens=2,
+        stop_token_ids=[0, 1],
+        eos=(2,),
+        repetition_penalty=3e38,
+        temperature=temperature,
+    )
+    assert res.token_id == 1
+
+
 @pytest.mark.parametrize("filters", [dict(min_p=1.0), dict(top_p=1e-9), dict(top_k=1)])
 def test_filters_that_keep_almost_nothing_keep_the_best(filters: dict[str, Any]) -> None:
     assert _one([1.0, 1e30, -INF, 2.0], temperature=1e-3, **filters).token_id == 1
