@@ -77,6 +77,10 @@ class EngineConfig:
         metadata={"help": "share of spare cache memory that keeps window context of cached prefixes"},
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "on CUDA, no torch.compile and no CUDA graphs (CPU always runs eagerly)"},
+    )
     reserve_lookahead: int | None = field(
         default=None,
         metadata={

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import Any, Self, SupportsIndex
 
 import torch
 
@@ -113,6 +116,78 @@ class RequestOutput:
     new_text: str = ""
 
 
+class OutputTokens(list[int]):
+    """A request's output token ids (a plain list to callers) that also keep ``prompt + output``.
+
+    Appending (and cutting a tail, as a rollback does) costs the same on both lists; any other change
+    rewrites the combined list's output part. The prompt must not change in place.
+    """
+
+    def __init__(self, prompt: list[int], output: Iterable[int] = ()) -> None:
+        super().__init__(output)
+        self.prompt = prompt
+        self.all_token_ids = [*prompt, *self]
+
+    def append(self, token: int) -> None:
+        super().append(token)
+        self.all_token_ids.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        n = len(self)
+        super().extend(tokens)
+        self.all_token_ids += self[n:]
+
+    def __iadd__(self, tokens: Iterable[int]) -> Self:  # type: ignore[override,misc]
+        self.extend(tokens)
+        return self
+
+    def pop(self, index: SupportsIndex = -1, /) -> int:
+        tail = operator.index(index) in (-1, len(self) - 1)
+        token = super().pop(index)
+        self._after_cut(tail)
+        return token
+
+    def __delitem__(self, key: SupportsIndex | slice, /) -> None:
+        tail = _tail(key, len(self)) if isinstance(key, slice) else operator.index(key) in (-1, len(self) - 1)
+        super().__delitem__(key)
+        self._after_cut(tail)
+
+    def __reduce__(self) -> tuple[type[list[int]], tuple[list[int]]]:
+        return list, (list(self),)  # pickles and copies as a plain list (re-wrapped on use)
+
+    def _after_cut(self, tail: bool) -> None:
+        if tail:
+            del self.all_token_ids[len(self.prompt) + len(self) :]
+        else:
+            self._sync()
+
+    def _sync(self) -> None:
+        del self.all_token_ids[len(self.prompt) :]
+        self.all_token_ids += self
+
+
+def _tail(key: slice, n: int) -> bool:
+    """Whether deleting ``key`` from a list of ``n`` items leaves a prefix of it."""
+    _, stop, step = key.indices(n)
+    return step == 1 and stop == n
+
+
+def _synced(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
+
+    def wrapper(self: OutputTokens, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        self._sync()
+        return result
+
+    wrapper.__name__ = name
+    return wrapper
+
+
+for _name in ("insert", "remove", "clear", "sort", "reverse", "__setitem__", "__imul__"):
+    setattr(OutputTokens, _name, _synced(_name))
+
+
 @dataclass
 class Request:
     request_id: str
@@ -132,12 +207,20 @@ class Request:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
+        self.output_token_ids = OutputTokens(self.prompt_token_ids, self.output_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: one list kept in step with ``output_token_ids``, never copied.
+
+        Read-only for callers; it grows with the output (slice it for a snapshot).
+        """
+        out = self.output_token_ids
+        if not isinstance(out, OutputTokens) or out.prompt is not self.prompt_token_ids:
+            out = self.output_token_ids = OutputTokens(self.prompt_token_ids, out)
+        return out.all_token_ids
 
     @property
     def num_tokens(self) -> int:

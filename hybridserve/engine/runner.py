@@ -7,6 +7,7 @@ import torch
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.batch import build_forward_batch
+from hybridserve.engine.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
@@ -20,16 +21,30 @@ class ModelRunner:
         coordinator: KvCacheCoordinator,
         sampler: Sampler,
         device: torch.device,
+        decode_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
+        """``decode_graphs``: run pure-decode steps padded to bucketed static shapes (DecodeGraphRunner),
+        replayed as CUDA graphs on CUDA unless ``enforce_eager``; other steps take the normal path."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
         self.sampler = sampler
         self.device = device
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if decode_graphs:
+            max_len = max_model_len or model.cfg.max_position_embeddings
+            self.decode_graphs = DecodeGraphRunner(
+                model, pools, coordinator, device, max_num_seqs, max_len, use_graphs=not enforce_eager
+            )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run the step; one result per scheduled request that samples, in scheduling order."""
+        if self.decode_graphs is not None and self.decode_graphs.supports(out.scheduled):
+            return self._execute_decode(out, self.decode_graphs)
         batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
         streams = self.model(batch, self.cache)
         sampling = [s.request for s in out.scheduled if s.samples]
@@ -37,3 +52,12 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(streams[batch.logits_indices])
         return self.sampler(logits, sampling)
+
+    def _execute_decode(self, out: SchedulerOutput, graphs: DecodeGraphRunner) -> list[SampleResult]:
+        logits = graphs.run(out.scheduled)
+        rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if not rows:
+            return []
+        if len(rows) < len(out.scheduled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return self.sampler(logits, [out.scheduled[i].request for i in rows])

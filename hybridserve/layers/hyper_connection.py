@@ -1,16 +1,145 @@
-"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams mixed per block."""
+"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams mixed per block.
+
+Every float32 rounding of the reference (transformers' ``DeepseekV4HyperConnection``) is kept, because
+the bf16 path is checked bit for bit against it. Two consequences shape the code:
+
+* ``torch.sigmoid`` on CPU rounds differently in its vectorised body and its scalar tail, so each
+  sigmoid runs on a contiguous ``[T, hc]`` tensor exactly like the reference's (same split).
+* The Sinkhorn loop (``sinkhorn_iters`` row/column normalisations) has no exact shortcut. Eagerly it
+  is 3 in-place ATen ops per half-step. With :func:`set_compile` on, it runs with the ``pre``/``post``
+  epilogues and the stream collapse as one ``torch.compile``d region whose sums are written as
+  sequential adds: for ``hc_mult <= 4`` that is the order ATen sums in, so both paths agree bit for
+  bit; for wider ``hc_mult`` they agree to float32 rounding.
+"""
 
 from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.norm import keep_fp32, unweighted_rms_norm
+from hybridserve.layers.norm import keep_fp32
+
+log = logging.getLogger(__name__)
+
+_TailOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_compile_enabled = False
+
+
+def set_compile(enabled: bool) -> None:
+    """Route the mHC Sinkhorn/collapse through ``torch.compile`` (off: eager, e.g. ``--enforce-eager``).
+
+    Compilation is lazy (first forward after enabling), shared by all layers, uses one graph for every
+    token count and is cached on disk by torch (``TORCHINDUCTOR_CACHE_DIR``). If compiling fails, a
+    warning is logged and the eager path is used from then on.
+    """
+    global _compile_enabled
+    _compile_enabled = enabled
+
+
+def compile_enabled() -> bool:
+    return _compile_enabled
 
 
 def _param(*shape: int) -> nn.Parameter:
     return keep_fp32(nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False))
+
+
+@functools.cache
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor: adding it is the same float op as adding ``value``, minus the cost of
+    wrapping a Python scalar into a tensor on every call (about half of a tiny op's time)."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _rms_normed(flat: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``unweighted_rms_norm`` of a float32 ``flat`` [T, N] with the same ops, minus no-op casts."""
+    return flat * flat.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+
+
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``pre`` [T, hc] float32 weights -> weighted sum of the streams [T, D] in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def _sinkhorn_(comb: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
+    """Sinkhorn-Knopp in place on ``comb`` [T, hc, hc] (column pass first, as the reference)."""
+    t, hc, _ = comb.shape
+    col, row = comb.new_empty(t, 1, hc), comb.new_empty(t, hc, 1)
+    comb.div_(torch.sum(comb, -2, keepdim=True, out=col).add_(eps))
+    for _ in range(iters - 1):
+        comb.div_(torch.sum(comb, -1, keepdim=True, out=row).add_(eps))
+        comb.div_(torch.sum(comb, -2, keepdim=True, out=col).add_(eps))
+    return comb
+
+
+def mhc_tail_eager(
+    pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
+) -> _TailOut:
+    """From ``sigmoid(pre)``, ``sigmoid(post)`` [T, hc] and ``softmax(comb)`` [T, hc, hc] (all float32)
+    to (post weights, doubly-stochastic comb, collapsed streams [T, D])."""
+    e = _constant(eps, comb.device)
+    return post + post, _sinkhorn_(comb + e, iters, e), _collapse(pre + e, streams)
+
+
+def _sequential_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim, keepdim=True)`` added strictly left to right (ATen's order for up to 4 terms)."""
+    parts = x.split(1, dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def mhc_tail_unrolled(
+    pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
+) -> _TailOut:
+    """:func:`mhc_tail_eager` as a pure, unrolled function of pointwise ops, for ``torch.compile``."""
+    comb = comb + eps
+    comb = comb / (_sequential_sum(comb, -2) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (_sequential_sum(comb, -1) + eps)
+        comb = comb / (_sequential_sum(comb, -2) + eps)
+    collapsed = _sequential_sum((pre + eps).unsqueeze(-1) * streams, 1).squeeze(1).to(streams.dtype)
+    return post * 2, comb, collapsed
+
+
+@functools.cache
+def _compiled_tail() -> Callable[..., _TailOut]:
+    return torch.compile(mhc_tail_unrolled, fullgraph=True, dynamic=False)
+
+
+def _mark_tokens_dynamic(tensors: tuple[torch.Tensor, ...]) -> None:
+    """One graph for every token count T, T=1 included (an unbacked size is never specialised)."""
+    import torch._dynamo
+
+    mark = getattr(torch._dynamo.decorators, "mark_unbacked", None)
+    for t in tensors:
+        if mark is not None:
+            mark(t, 0)
+        else:  # older torch: T=1 gets its own graph
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def mhc_tail(
+    pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
+) -> _TailOut:
+    """The compiled tail when enabled, else the eager one. Empty batches and ``hc_mult == 1`` stay eager
+    (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix)."""
+    if not _compile_enabled or streams.shape[0] == 0 or comb.shape[-1] < 2:
+        return mhc_tail_eager(pre, post, comb, streams, iters, eps)
+    _mark_tokens_dynamic((pre, post, comb, streams))
+    try:
+        return _compiled_tail()(pre, post, comb, streams, iters, eps)
+    except Exception:  # a missing compiler, an unsupported torch: serve eagerly rather than fail
+        log.warning("torch.compile of the mHC tail failed; using the eager path", exc_info=True)
+        set_compile(False)
+        return mhc_tail_eager(pre, post, comb, streams, iters, eps)
 
 
 class HyperConnection(nn.Module):
@@ -28,24 +157,26 @@ class HyperConnection(nn.Module):
         self.fn = _param(n, hc_mult * hidden_size)
         self.base = _param(n)
         self.scale = _param(3)
+        self._scale_index: torch.Tensor | None = None
+
+    def _expanded_scale(self) -> torch.Tensor:
+        """``scale`` [3] repeated over the (pre, post, comb) columns of the projection -> [(2 + hc) * hc]."""
+        index = self._scale_index
+        if index is None or index.device != self.scale.device:
+            hc = self.hc
+            index = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=self.scale.device)
+            self._scale_index = index
+        return self.scale.index_select(0, index)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
         hc = self.hc
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn)
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        flat = _rms_normed(streams.flatten(1).float(), _constant(self.norm_eps, streams.device))
+        mixes = F.linear(flat, self.fn).mul_(self._expanded_scale()).add_(self.base)
+        pre = torch.sigmoid(mixes[:, :hc].contiguous())
+        post = torch.sigmoid(mixes[:, hc : 2 * hc].contiguous())
+        comb = torch.softmax(mixes[:, 2 * hc :].unflatten(-1, (hc, hc)), dim=-1)
+        return mhc_tail(pre, post, comb, streams, self.iters, self.hc_eps)
 
 
 def hyper_residual(
@@ -53,9 +184,8 @@ def hyper_residual(
 ) -> torch.Tensor:
     """Expand a block output into the streams and add the mixed residual (comb applied transposed)."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    mixed = torch.bmm(comb.to(dtype).transpose(-1, -2), streams)
+    return (post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)).add_(mixed)
 
 
 class HyperHead(nn.Module):
@@ -70,7 +200,7 @@ class HyperHead(nn.Module):
         self.hc_scale = _param(1)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        device = streams.device
+        flat = _rms_normed(streams.flatten(1).float(), _constant(self.norm_eps, device))
+        mixes = F.linear(flat, self.hc_fn).mul_(self.hc_scale).add_(self.hc_base)
+        return _collapse(torch.sigmoid(mixes).add_(_constant(self.hc_eps, device)), streams)

@@ -102,7 +102,7 @@ class Indexer(nn.Module):
         # depend on chunking, batching or prefix reuse; invisible rows (-inf) sort last.
         k = min(self.topk, scores.shape[1])
         picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        return picked, picked < meta.read_visible.sum(dim=1, keepdim=True)
+        return picked, picked < meta.read_count
 
 
 class Attention(nn.Module):
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         window.index_copy_(0, meta.token_slots[WINDOW_KV], kv)
         keys, visible = window[meta.window_slots], meta.window_visible
         if self.compressor is not None:
-            ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache, rotary)
+            ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache)
             keys, visible = torch.cat([keys, ckeys], dim=1), torch.cat([visible, cvisible], dim=1)
         out = sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
         out = apply_rope(out, cos, -sin)
@@ -160,7 +160,6 @@ class Attention(nn.Module):
         q_res: torch.Tensor,
         meta: AttentionMeta,
         cache: CacheTensors,
-        rotary: dict[str, Rotary],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.compressor is not None
         if self.indexer is None:
@@ -175,12 +174,11 @@ class Attention(nn.Module):
                 HCA_STATE,
                 HCA_ROWS,
                 ("kv", "gate", "kv"),
-                rotary,
             )
             return cache[(HCA_ROWS, self.key, "kv")][hm.read_slots], hm.read_visible
         assert meta.csa is not None
         cm, slots = meta.csa, meta.token_slots[CSA_STATE]
-        self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"), rotary)
+        self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"))
         self._pool(
             self.indexer.compressor,
             x,
@@ -190,7 +188,6 @@ class Attention(nn.Module):
             CSA_STATE,
             CSA_ROWS,
             ("idx_kv", "idx_gate", "idx"),
-            rotary,
         )
         idx_keys = cache[(CSA_ROWS, self.key, "idx")][cm.read_slots]
         picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"])
@@ -207,17 +204,16 @@ class Attention(nn.Module):
         state: str,
         rows: str,
         fields: tuple[str, str, str],
-        rotary: dict[str, Rotary],
     ) -> None:
         """Store this step's compressor inputs, then pool every window the step completes."""
         kv_rows, gate_rows = cache[(state, self.key, fields[0])], cache[(state, self.key, fields[1])]
         kv_rows.index_copy_(0, slots, comp.wkv(x))
         gate_rows.index_copy_(0, slots, comp.wgate(x))
-        if cm.done.numel() == 0:
+        new = cm.new_rows
+        if new is None:
             return
-        pooled = comp.compress(kv_rows[cm.src_slots], gate_rows[cm.src_slots], cm.src_valid)
-        cos, sin = rotary["compress"].cos_sin(cm.row_positions, pooled.dtype)
-        cache[(rows, self.key, fields[2])].index_copy_(0, cm.row_slots, apply_rope(pooled, cos, sin))
+        pooled = comp.compress(kv_rows[new.src_slots], gate_rows[new.src_slots], new.src_valid)
+        cache[(rows, self.key, fields[2])].index_copy_(0, new.slots, apply_rope(pooled, *new.rope))
 
 
 class DecoderLayer(nn.Module):

@@ -3,6 +3,10 @@
 Rows of a compressed group (stride m) are numbered by window: row w holds tokens [w*m, (w+1)*m)
 (CSA row w also reads the first half of window w-1). A query at position p sees rows
 w < (p + 1) // m and raw tokens (p - W, p].
+
+Every shape follows from the batch's host-side layout (Python ints), never from reading a device
+tensor. With ``BatchLayout.pad_windows`` a decode batch of R requests always gets the same shapes but
+for N (the compressed rows it reads) and the block-table width, which grow with the context.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.layers.forward_batch import ForwardBatch
+from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.rope import Rotary
 
 WINDOW_KV = "swa_kv"
@@ -22,17 +26,30 @@ HCA_ROWS = "hca_rows"
 
 
 @dataclass
+class NewRows:
+    """The compressed rows a step completes: where their per-token inputs are and where they go.
+
+    The first ``count`` of the Nw entries are real; padding entries pool the state group's null block
+    (zero rows, so a zero row) into slot 0, the null block of the row group.
+    """
+
+    count: int
+    src_slots: torch.Tensor  # [Nw, span] state-group slots of the window's per-token inputs
+    src_valid: torch.Tensor  # [Nw, span]
+    positions: torch.Tensor  # [Nw] rope position of each new row (w * m)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin at ``positions``
+    slots: torch.Tensor  # [Nw] history-group slot of each new row
+
+
+@dataclass
 class CompressedMeta:
     """Where one compressed branch (CSA or HCA) writes new rows and which rows each query reads."""
 
     rate: int
-    done: torch.Tensor  # [Nw] tokens whose arrival completes a window
-    src_slots: torch.Tensor  # [Nw, span] state-group slots of the window's per-token inputs
-    src_valid: torch.Tensor  # [Nw, span]
-    row_positions: torch.Tensor  # [Nw] rope position of each new row (w * m)
-    row_slots: torch.Tensor  # [Nw] history-group slot of each new row
+    new_rows: NewRows | None  # None: the step completes no window
     read_slots: torch.Tensor  # [T, N] slots of rows 0..N-1 of each token's request
     read_visible: torch.Tensor  # [T, N] row w visible to the token
+    read_count: torch.Tensor  # [T, 1] rows visible to the token: (p + 1) // m
 
 
 @dataclass
@@ -52,45 +69,70 @@ def build_meta(
     rotary: dict[str, Rotary],
     dtype: torch.dtype,
 ) -> AttentionMeta:
-    pos, req = batch.positions, batch.req_indices
-    token_slots = {
-        g: batch.slots(g, 1, pos, req) for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables
-    }
-    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)
-    window_slots = batch.slots(WINDOW_KV, 1, key_pos, req[:, None].expand_as(key_pos))
+    pos = batch.positions
+    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)  # [T, W]; last: pos
+    groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
+    slots = batch.slots(groups, 1, key_pos, batch.req_indices[:, None])  # [G, T, W]
+    token_slots = dict(zip(groups, slots[:, :, -1].contiguous().unbind(0), strict=True))
     rope = {name: r.cos_sin(pos, dtype) for name, r in rotary.items()}
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
-        csa = _compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, overlap=True)
+        csa = _compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
     if HCA_ROWS in batch.block_tables:
-        hca = _compressed(batch, rates["hca"], HCA_STATE, HCA_ROWS, overlap=False)
-    return AttentionMeta(token_slots, window_slots, key_pos >= 0, rope, csa, hca)
+        hca = _compressed(batch, rates["hca"], HCA_STATE, HCA_ROWS, False, rotary["compress"], dtype)
+    return AttentionMeta(token_slots, slots[0], key_pos >= 0, rope, csa, hca)
 
 
-def _compressed(batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool) -> CompressedMeta:
-    pos, req = batch.positions, batch.req_indices
-    dev = pos.device
-    done = torch.nonzero((pos + 1) % m == 0).flatten()
-    w = (pos[done] + 1) // m - 1
+def completed_windows(layout: BatchLayout, m: int) -> tuple[list[int], list[int], int]:
+    """(window numbers, request rows, count) of the windows the step completes, in batch order.
+
+    Request r completes windows ``[start // m, end // m)``: at most ceil(n / m) for n tokens. With
+    ``layout.pad_windows`` the lists are padded to that bound with window 0 of request 0.
+    """
+    windows: list[int] = []
+    reqs: list[int] = []
+    size = 0
+    for r, (start, end) in enumerate(zip(layout.starts, layout.ends, strict=True)):
+        done = range(start // m, end // m)
+        windows += done
+        reqs += [r] * len(done)
+        size += -(-(end - start) // m)
+    pad = size - len(windows) if layout.pad_windows else 0
+    return windows + [0] * pad, reqs + [0] * pad, len(windows)
+
+
+def visible_rows(layout: BatchLayout, m: int) -> int:
+    """N: the most compressed rows any token of the step sees (its request's last token's count)."""
+    spans = zip(layout.starts, layout.ends, strict=True)
+    return max((end // m for start, end in spans if end > start), default=0)
+
+
+def _compressed(
+    batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool, rope: Rotary, dtype: torch.dtype
+) -> CompressedMeta:
+    new_rows = _new_rows(batch, m, state, rows, overlap, rope, dtype)
+    pos = batch.positions
+    row_ids = torch.arange(visible_rows(batch.host_layout(), m), device=pos.device)
+    read_slots = batch.slots(rows, m, row_ids[None], batch.req_indices[:, None])  # [T, N]
+    count = ((pos + 1) // m)[:, None]
+    return CompressedMeta(m, new_rows, read_slots, row_ids[None] < count, count)
+
+
+def _new_rows(
+    batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool, rope: Rotary, dtype: torch.dtype
+) -> NewRows | None:
+    layout = batch.host_layout()
+    windows, reqs, count = completed_windows(layout, m)
+    nw = len(windows)
+    if nw == 0:
+        return None
+    dev = batch.positions.device
+    host = host_tensor(windows + reqs + [1] * count + [0] * (nw - count))
+    w, req, keep = host.to(dev).view(3, nw).unbind(0)
     span = 2 * m if overlap else m
     src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=dev)
-    src_slots = batch.slots(state, 1, src_pos, req[done][:, None].expand_as(src_pos))
-    visible_rows = (pos + 1) // m
-    n = int(visible_rows.max()) if pos.numel() else 0
-    row_ids = torch.arange(n, device=dev)
-    per_req = batch.slots(
-        rows,
-        m,
-        row_ids[None].expand(batch.seq_ends.shape[0], n),
-        torch.arange(batch.seq_ends.shape[0], device=dev)[:, None].expand(-1, n),
-    )
-    return CompressedMeta(
-        rate=m,
-        done=done,
-        src_slots=src_slots,
-        src_valid=src_pos >= 0,
-        row_positions=w * m,
-        row_slots=batch.slots(rows, m, w, req[done]),
-        read_slots=per_req[req],
-        read_visible=row_ids[None] < visible_rows[:, None],
-    )
+    src_slots, slots = batch.slots(state, 1, src_pos, req[:, None]), batch.slots(rows, m, w, req)
+    if layout.pad_windows:  # padding reads the null block's zero rows and writes slot 0 (the null block)
+        src_slots, slots = src_slots * keep[:, None], slots * keep
+    positions = w * m
+    return NewRows(count, src_slots, src_pos >= 0, positions, rope.cos_sin(positions, dtype), slots)

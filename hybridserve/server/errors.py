@@ -104,7 +104,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambd
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, message)
+        return error_response(exc.status_code, message, headers=dict(exc.headers or {}))  # Allow on a 405
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -153,11 +153,15 @@ def _routes(app: FastAPI, state: AppState) -> None:
 
     guarded: Any = [Depends(auth), Depends(same_site)]
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses=responses(503))
+    @app.get("/health", responses=responses(503))
     async def health() -> JSONResponse:
         """200 with ``{"status": "ok"}`` when the engine serves; 503 while loading, draining or failed."""
         state.engine()
         return JSONResponse({"status": "ok"})
+
+    @app.head("/health", responses=responses(503))
+    async def health_head() -> JSONResponse:
+        return await health()  # the server sends the headers only
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

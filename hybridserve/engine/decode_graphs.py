@@ -1,0 +1,235 @@
+"""Static-shaped decode steps, bucketed by batch size, replayed as CUDA graphs (vLLM's scheme).
+
+A pure-decode step (every request computes one token) of R requests is padded to the next bucket B in
+(1, 2, 4, ..., max_num_seqs) with dummy requests: position 0, every block-table entry the null block,
+token id 0. The attention metadata is built eagerly, outside the graph, from that padded batch with
+``pad_windows`` (one compressed-window entry per request and branch), and each branch's row reads are
+null-padded to a bucketed row count N (powers of two, at most ``max_model_len // m``). The metadata
+tensors and the token ids are then copied into persistent buffers of the shape key (B, N per branch),
+and the forward, the logits of all B rows and the re-zeroing of the null blocks run on those buffers:
+as one captured ``torch.cuda.CUDAGraph`` per key on CUDA, eagerly elsewhere.
+
+Dummy rows write their own token's inputs into row 0 of the null block of every per-token group (and
+the window-padding entries then pool them into the null row of the compressed groups). Nothing reads
+the null block unmasked (invisible keys get zero weight, and the values are finite), so real rows are
+unaffected; the null blocks are zeroed again at the end of every padded step, which keeps the padded
+window design's invariant (the null block is all zeros) between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.deepseek_v4_meta import AttentionMeta, CompressedMeta, visible_rows
+
+MIN_ROW_BUCKET = 16
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below ``max_num_seqs``, then ``max_num_seqs`` itself."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
+def row_bucket(n: int, most: int) -> int:
+    """The padded compressed-row count for ``n`` rows: a power of two >= MIN_ROW_BUCKET, capped."""
+    return min(max(MIN_ROW_BUCKET, 1 << max(n - 1, 0).bit_length()), max(most, n))
+
+
+def is_pure_decode(scheduled: list[ScheduledRequest]) -> bool:
+    return bool(scheduled) and all(s.num_tokens == 1 for s in scheduled)
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of a metadata tree (dataclasses, dicts, tuples), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_of(getattr(obj, f.name))]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, tuple | list):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def clone_tree(obj: Any) -> Any:
+    """The same tree with every tensor cloned (persistent buffers of the same shapes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: clone_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(clone_tree(v) for v in obj)
+    return obj
+
+
+def pad_reads(branch: CompressedMeta | None, n: int) -> CompressedMeta | None:
+    """``branch`` reading ``n`` rows: the extra ones are the null block's slot 0, never visible."""
+    if branch is None:
+        return None
+    extra = n - branch.read_slots.shape[1]
+    assert extra >= 0
+    return dataclasses.replace(
+        branch,
+        read_slots=F.pad(branch.read_slots, (0, extra), value=0),
+        read_visible=F.pad(branch.read_visible, (0, extra), value=False),
+    )
+
+
+@dataclass
+class StaticDecode:
+    """The persistent buffers (and, on CUDA, the graph) of one shape key."""
+
+    batch: ForwardBatch  # only input_ids is read by the model when the metadata is given
+    meta: AttentionMeta
+    logits: torch.Tensor | None = None  # [B, V], written by every run
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphRunner:
+    """Runs pure-decode steps padded to static shapes; ``use_graphs`` captures and replays on CUDA."""
+
+    def __init__(
+        self,
+        model: DeepseekV4Model,
+        pools: BlockPoolSet,
+        coordinator: KvCacheCoordinator,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        batch_sizes: list[int] | None = None,
+        pad_rows: bool = True,
+    ) -> None:
+        """``batch_sizes``: the buckets (default ``batch_buckets``); ``pad_rows``: bucket N (else exact)."""
+        self.model, self.coordinator, self.device = model, coordinator, device
+        self.cache = pools.tensors()
+        self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs))
+        self.pad_rows = pad_rows
+        self.max_model_len = max_model_len
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.null_rows = [
+            t[NULL_BLOCK * p.plan.rows_per_block : (NULL_BLOCK + 1) * p.plan.rows_per_block]
+            for p in pools.pools.values()
+            for t in p.tensors.values()
+        ]
+        self.entries: dict[tuple[int, int, int], StaticDecode] = {}
+        self.graph_pool: Any = None
+
+    def supports(self, scheduled: list[ScheduledRequest]) -> bool:
+        return is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [R, V] of every scheduled request (all of a pure-decode step's rows), in order."""
+        batch = self.padded_batch(scheduled)
+        meta = self.model.attention_meta(batch)
+        layout = batch.host_layout()
+        rows = {name: self._rows(getattr(meta, name), layout) for name in ("csa", "hca")}
+        meta = dataclasses.replace(
+            meta, csa=pad_reads(meta.csa, rows["csa"]), hca=pad_reads(meta.hca, rows["hca"])
+        )
+        entry = self._entry((batch.num_tokens, rows["csa"], rows["hca"]), batch, meta)
+        entry.batch.input_ids.copy_(batch.input_ids)
+        for dst, src in zip(tensors_of(entry.meta), tensors_of(meta), strict=True):
+            dst.copy_(src)
+        if self.use_graphs:
+            self._replay(entry)
+        else:
+            entry.logits = self._forward(entry)
+        assert entry.logits is not None
+        return entry.logits[: len(scheduled)]
+
+    def _rows(self, branch: CompressedMeta | None, layout: BatchLayout) -> int:
+        if branch is None:
+            return 0
+        if not self.pad_rows:
+            return visible_rows(layout, branch.rate)
+        return row_bucket(visible_rows(layout, branch.rate), self.max_model_len // branch.rate)
+
+    def padded_batch(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
+        """The step's requests, then dummies (position 0, null tables) up to the bucket size."""
+        r, b = len(scheduled), self.bucket(len(scheduled))
+        starts = [s.start for s in scheduled] + [0] * (b - r)
+        ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
+        rows = list(range(b))
+        host = host_tensor(ids + starts + rows + [p + 1 for p in starts])
+        input_ids, pos, req, ends = host.to(self.device).view(4, b).unbind(0)
+        return ForwardBatch(
+            input_ids=input_ids,
+            positions=pos,
+            req_indices=req,
+            seq_ends=ends,
+            block_tables=self._tables(scheduled, b),
+            block_tokens=self.coordinator.block_tokens,
+            logits_indices=req,
+            layout=BatchLayout(tuple(starts), tuple(p + 1 for p in starts), pad_windows=True),
+        )
+
+    def _tables(self, scheduled: list[ScheduledRequest], b: int) -> dict[str, torch.Tensor]:
+        """Every group's [B, width] table, dummy rows all null; one transfer."""
+        tables = [self.coordinator.block_tables(s.request.request_id) for s in scheduled]
+        names = list(tables[0])
+        width = max(1, *(len(t[name]) for t in tables for name in names))
+        flat: list[int] = []
+        for name in names:
+            for t in tables:
+                flat += t[name] + [NULL_BLOCK] * (width - len(t[name]))
+            flat += [NULL_BLOCK] * (width * (b - len(tables)))
+        packed = host_tensor(flat).to(self.device).view(len(names), b, width)
+        return dict(zip(names, packed.unbind(0), strict=True))
+
+    def _entry(self, key: tuple[int, int, int], batch: ForwardBatch, meta: AttentionMeta) -> StaticDecode:
+        if key not in self.entries:
+            static = dataclasses.replace(batch, input_ids=batch.input_ids.clone(), block_tables={})
+            self.entries[key] = StaticDecode(static, clone_tree(meta))
+        return self.entries[key]
+
+    def _forward(self, entry: StaticDecode) -> torch.Tensor:
+        """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
+        streams = self.model(entry.batch, self.cache, entry.meta)
+        logits = self.model.compute_logits(streams)
+        torch._foreach_zero_(self.null_rows)
+        return logits
+
+    def _replay(self, entry: StaticDecode) -> None:
+        if entry.graph is None:
+            self._capture(entry)
+        assert entry.graph is not None
+        entry.graph.replay()
+
+    def _capture(self, entry: StaticDecode) -> None:
+        """Warm up on a side stream, then capture (the buffers already hold this step's inputs).
+
+        A step's forward is idempotent (it rewrites the same slots with the same values), so the warm-up
+        runs on the real step's inputs are harmless; the replay that follows computes the step.
+        """
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(entry)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            entry.logits = self._forward(entry)
+        entry.graph = graph

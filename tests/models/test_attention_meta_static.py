@@ -1,0 +1,360 @@
+"""Static-shaped, sync-free attention metadata against the computation it replaced (kept below)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.plan import build_plan
+from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.engine.batch import build_forward_batch
+from hybridserve.engine.request import Request, SamplingParams
+from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.layers.forward_batch import ForwardBatch
+from hybridserve.layers.rope import Rotary
+from hybridserve.models.deepseek_v4 import cache_specs
+from hybridserve.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
+from hybridserve.models.deepseek_v4_meta import (
+    CSA_ROWS,
+    CSA_STATE,
+    HCA_ROWS,
+    HCA_STATE,
+    WINDOW_KV,
+    AttentionMeta,
+    CompressedMeta,
+    build_meta,
+)
+from hybridserve.models.loader import read_config
+
+BUNDLED = Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4"
+
+# ---- the metadata as it was computed before (nonzero + a host read of the row count) --------------
+
+
+@dataclass
+class OldCompressed:
+    rate: int
+    done: torch.Tensor
+    src_slots: torch.Tensor
+    src_valid: torch.Tensor
+    row_positions: torch.Tensor
+    row_slots: torch.Tensor
+    read_slots: torch.Tensor
+    read_visible: torch.Tensor
+
+
+def old_build_meta(batch: ForwardBatch, window: int, rates: dict[str, int]) -> dict[str, Any]:
+    pos, req = batch.positions, batch.req_indices
+    token_slots = {
+        g: batch.slots(g, 1, pos, req) for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables
+    }
+    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)
+    window_slots = batch.slots(WINDOW_KV, 1, key_pos, req[:, None].expand_as(key_pos))
+    csa = hca = None
+    if CSA_ROWS in batch.block_tables:
+        csa = old_compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, overlap=True)
+    if HCA_ROWS in batch.block_tables:
+        hca = old_compressed(batch, rates["hca"], HCA_STATE, HCA_ROWS, overlap=False)
+    return {
+        "token_slots": token_slots,
+        "window_slots": window_slots,
+        "window_visible": key_pos >= 0,
+        "csa": csa,
+        "hca": hca,
+    }
+
+
+def old_compressed(batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool) -> OldCompressed:
+    pos, req = batch.positions, batch.req_indices
+    dev = pos.device
+    done = torch.nonzero((pos + 1) % m == 0).flatten()
+    w = (pos[done] + 1) // m - 1
+    span = 2 * m if overlap else m
+    src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=dev)
+    src_slots = batch.slots(state, 1, src_pos, req[done][:, None].expand_as(src_pos))
+    visible_rows = (pos + 1) // m
+    n = int(visible_rows.max()) if pos.numel() else 0
+    row_ids = torch.arange(n, device=dev)
+    per_req = batch.slots(
+        rows,
+        m,
+        row_ids[None].expand(batch.seq_ends.shape[0], n),
+        torch.arange(batch.seq_ends.shape[0], device=dev)[:, None].expand(-1, n),
+    )
+    return OldCompressed(
+        rate=m,
+        done=done,
+        src_slots=src_slots,
+        src_valid=src_pos >= 0,
+        row_positions=w * m,
+        row_slots=batch.slots(rows, m, w, req[done]),
+        read_slots=per_req[req],
+        read_visible=row_ids[None] < visible_rows[:, None],
+    )
+
+
+# ---- random batches from a real coordinator -----------------------------------------------------
+
+# (csa rate, hca rate, sliding window, block tokens): the bundled model's and smaller ones.
+GEOMETRIES = [(4, 16, 64, 16), (2, 8, 6, 8), (4, 4, 5, 8), (2, 16, 8, 16)]
+KINDS = ("prefill", "chunk", "decode", "prefix", "boundary")
+
+
+def _config(csa: int, hca: int, window: int) -> DeepseekV4Config:
+    cfg = DeepseekV4Config.from_dict(read_config(BUNDLED))
+    return dataclasses.replace(cfg, compress_rates={CSA: csa, HCA: hca}, sliding_window=window)
+
+
+class Scenario:
+    """A coordinator holding requests at random points of their life, and the step that runs them."""
+
+    def __init__(self, geometry: tuple[int, int, int, int], seed: int) -> None:
+        csa, hca, window, block = geometry
+        self.cfg = _config(csa, hca, window)
+        plan = build_plan(cache_specs(self.cfg, torch.float32), block, 8, 512, num_blocks=400)
+        self.coord = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"), enable_prefix_caching=True)
+        self.rng = random.Random(seed)
+        self.block = block
+        self.scheduled: list[ScheduledRequest] = []
+        self.kinds: list[str] = []
+
+    def add(self, kind: str) -> None:
+        rng, rid = self.rng, f"r{len(self.scheduled)}"
+        tokens = [rng.randrange(3, 4000) for _ in range(rng.randrange(2, 120))]
+        start = 0
+        if kind == "prefix":
+            start = self._admit_prefix(rid, tokens)
+        elif kind in ("chunk", "decode"):
+            start = rng.randrange(1, len(tokens))
+            self._advance(rid, start)
+        elif kind == "boundary":  # just before or at a window end of either branch, a few tokens
+            m = rng.choice(list(self.cfg.compress_rates.values()))
+            start = min(len(tokens) - 1, m * rng.randrange(1, 8) - rng.randrange(2))
+            self._advance(rid, start)
+        n = 1 if kind == "decode" else rng.randrange(1, len(tokens) - start + 1)
+        if kind == "boundary":
+            n = min(n, 3)
+        assert self.coord.allocate(rid, start, start + n)
+        self.scheduled.append(ScheduledRequest(Request(rid, tokens, SamplingParams()), start, n))
+        self.kinds.append(kind)
+
+    def _advance(self, rid: str, end: int) -> None:
+        """Allocate [0, end) in a few chunks, as earlier steps would (window blocks get recycled)."""
+        pos = 0
+        while pos < end:
+            step = min(end - pos, self.rng.randrange(1, 40))
+            assert self.coord.allocate(rid, pos, pos + step)
+            pos += step
+
+    def _admit_prefix(self, rid: str, tokens: list[int]) -> int:
+        """A finished donor with the same tokens published its blocks; ``rid`` starts from the hit."""
+        donor = f"{rid}-donor"
+        n = self.rng.randrange(self.block + 1, len(tokens) + 1) if len(tokens) > self.block else len(tokens)
+        self._advance(donor, n)
+        self.coord.publish(donor, tokens, n)
+        self.coord.release(donor)
+        hit = self.coord.probe(tokens)
+        if hit.num_tokens:
+            self.coord.admit_prefix(rid, hit, tokens)
+        else:
+            self._advance(rid, 0)
+        return hit.num_tokens
+
+    def batch(self, pad_windows: bool = False) -> ForwardBatch:
+        return build_forward_batch(self.scheduled, self.coord, torch.device("cpu"), pad_windows=pad_windows)
+
+
+def _scenarios() -> Iterator[tuple[tuple[int, int, int, int], int, list[str]]]:
+    rng = random.Random(0)
+    mixes = [["decode"] * 5, ["prefill"], ["chunk", "chunk"], ["prefix"], ["prefix", "decode", "chunk"]]
+    mixes += [["boundary"] * 4, ["boundary", "decode", "prefix"]]
+    mixes += [[rng.choice(KINDS) for _ in range(rng.randrange(1, 7))] for _ in range(10)]
+    for g, geometry in enumerate(GEOMETRIES):
+        for i, kinds in enumerate(mixes):
+            yield geometry, 100 * g + i, kinds
+
+
+def _rotary(cfg: DeepseekV4Config) -> dict[str, Rotary]:
+    return {name: Rotary(r, "cpu") for name, r in cfg.rope.items()}
+
+
+def _meta(s: Scenario, batch: ForwardBatch) -> AttentionMeta:
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    return build_meta(batch, s.cfg.sliding_window, rates, _rotary(s.cfg), torch.float32)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a, b)
+
+
+def _check_branch(new: CompressedMeta, old: OldCompressed, rotary: Rotary) -> None:
+    _equal(new.read_slots, old.read_slots)
+    _equal(new.read_visible, old.read_visible)
+    _equal(new.read_count, old.read_visible.sum(dim=1, keepdim=True))
+    k = old.done.numel()
+    rows = new.new_rows
+    if rows is None:
+        assert k == 0
+        return
+    assert rows.count == k
+    _equal(rows.src_slots[:k], old.src_slots)
+    _equal(rows.src_valid[:k], old.src_valid)
+    _equal(rows.positions[:k], old.row_positions)
+    _equal(rows.slots[:k], old.row_slots)
+    cos, sin = rotary.cos_sin(old.row_positions, torch.float32)
+    _equal(rows.rope[0][:k], cos)
+    _equal(rows.rope[1][:k], sin)
+    # padding: reads the state group's null block, writes the row group's null block
+    assert not rows.src_slots[k:].any() and not rows.slots[k:].any()
+
+
+SCENARIOS = list(_scenarios())
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize(("geometry", "seed", "kinds"), SCENARIOS)
+def test_meta_equals_the_old_computation(
+    geometry: tuple[int, int, int, int], seed: int, kinds: list[str], pad: bool
+) -> None:
+    s = Scenario(geometry, seed)
+    for kind in kinds:
+        s.add(kind)
+    batch = s.batch(pad_windows=pad)
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    new, old = _meta(s, batch), old_build_meta(batch, s.cfg.sliding_window, rates)
+    assert new.token_slots.keys() == old["token_slots"].keys()
+    for g, slots in old["token_slots"].items():
+        _equal(new.token_slots[g], slots)
+    _equal(new.window_slots, old["window_slots"])
+    _equal(new.window_visible, old["window_visible"])
+    rotary = _rotary(s.cfg)["compress"]
+    for name in ("csa", "hca"):
+        branch = getattr(new, name)
+        assert branch is not None
+        _check_branch(branch, old[name], rotary)
+        if pad:
+            rows = branch.new_rows
+            assert rows is not None
+            m = branch.rate
+            assert rows.slots.shape[0] == sum(-(-x.num_tokens // m) for x in s.scheduled)
+
+
+def test_prefix_scenarios_start_from_a_hit_with_null_window_blocks() -> None:
+    """The 'prefix' kind really exercises prefix-cache starts (window tables led by null blocks)."""
+    starts = []
+    for geometry, seed, kinds in SCENARIOS:
+        if "prefix" not in kinds:
+            continue
+        s = Scenario(geometry, seed)
+        for kind in kinds:
+            s.add(kind)
+        for sched, kind in zip(s.scheduled, kinds, strict=True):
+            if kind == "prefix" and sched.start:
+                starts.append(sched.start)
+                tables = s.coord.block_tables(sched.request.request_id)
+                if sched.start > s.cfg.sliding_window + s.block:
+                    assert tables[WINDOW_KV][0] == 0
+    assert len(starts) >= 5
+
+
+def test_hand_built_batch_derives_the_same_layout() -> None:
+    s = Scenario(GEOMETRIES[1], 7)
+    for kind in ("decode", "chunk", "prefix", "prefill"):
+        s.add(kind)
+    batch = s.batch()
+    bare = dataclasses.replace(batch, layout=None)
+    assert bare.host_layout() == batch.layout
+    a, b = _meta(s, batch), _meta(s, bare)
+    assert a.csa is not None and b.csa is not None
+    _equal(a.csa.read_slots, b.csa.read_slots)
+
+
+def _decode_shapes(seed: int, reqs: int) -> list[tuple[str, tuple[int, ...]]]:
+    s = Scenario(GEOMETRIES[0], seed)
+    for _ in range(reqs):
+        s.add("decode")
+    meta = _meta(s, s.batch(pad_windows=True))
+    shapes = []
+    for name in ("csa", "hca"):
+        branch = getattr(meta, name)
+        assert branch is not None and branch.new_rows is not None
+        rows = branch.new_rows
+        for field in ("src_slots", "src_valid", "positions", "slots"):
+            shapes.append((f"{name}.{field}", tuple(getattr(rows, field).shape)))
+        shapes.append((f"{name}.read_count", tuple(branch.read_count.shape)))
+    shapes += [(f"token.{g}", tuple(t.shape)) for g, t in meta.token_slots.items()]
+    shapes.append(("window", tuple(meta.window_slots.shape)))
+    return shapes
+
+
+def test_padded_decode_batch_shapes_do_not_depend_on_positions() -> None:
+    reference = _decode_shapes(0, 4)
+    for seed in range(1, 12):
+        assert _decode_shapes(seed, 4) == reference
+
+
+class _SyncWatch(TorchDispatchMode):
+    """Records ops that read a device value on the host (a sync off the CPU)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "aminmax")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__
+        if any(s in name for s in self.SYNCING):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _DirectRotary:
+    """Rotary's direct formula, without the table lookup's host read of the largest position."""
+
+    def __init__(self, r: Rotary) -> None:
+        self.r = r
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.r._cos_sin_fp32(positions).to(dtype)
+        half = table.shape[-1] // 2
+        return table[..., :half], table[..., half:]
+
+
+@contextmanager
+def _no_tolist() -> Iterator[None]:
+    original = torch.Tensor.tolist
+
+    def refuse(self: torch.Tensor) -> Any:
+        raise AssertionError("tolist() reads device values")
+
+    torch.Tensor.tolist = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("kinds", [["decode"] * 6, ["prefix", "chunk", "decode"]])
+def test_build_meta_reads_no_device_value(kinds: list[str]) -> None:
+    s = Scenario(GEOMETRIES[0], 3)
+    for kind in kinds:
+        s.add(kind)
+    batch = s.batch(pad_windows=True)
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    rotary: Any = {name: _DirectRotary(r) for name, r in _rotary(s.cfg).items()}
+    watch = _SyncWatch()
+    with _no_tolist(), watch:
+        build_meta(batch, s.cfg.sliding_window, rates, rotary, torch.float32)
+    assert watch.seen == []
