@@ -167,9 +167,18 @@ class Tokenizer:
             specials += [self._specials[t] for t in parts[1::2]]
             runs += parts[2::2]
         for k, (_, token) in enumerate(specials):  # whitespace the tokenizer strips around such tokens
-            runs[k] = runs[k].rstrip() if token.lstrip else runs[k]
-            runs[k + 1] = runs[k + 1].lstrip() if token.rstrip else runs[k + 1]
+            runs[k] = runs[k].rstrip(_WHITE_SPACE) if token.lstrip else runs[k]
+            runs[k + 1] = runs[k + 1].lstrip(_WHITE_SPACE) if token.rstrip else runs[k + 1]
         return runs, [i for i, _ in specials]
+
+
+# Unicode White_Space, what the tokenizers library strips around such tokens (its regex `\s`); Python's
+# str.strip() also strips U+001C..U+001F, which it does not.
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
 
 
 def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -37,11 +37,20 @@ class Rotary:
             size = max(_MIN_TABLE, 1 << (n_positions - 1).bit_length())
             self._table = self._cos_sin_fp32(torch.arange(size, device=self.inv_freq.device))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Half-width tables ``[..., rope_dim // 2]``, rounded to ``dtype`` like the reference."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width tables ``[..., rope_dim // 2]``, rounded to ``dtype`` like the reference.
+
+        ``max_position``: a bound the caller knows on the host for non-negative integer ``positions``;
+        with it the lookup reads nothing back from the device (CUDA-graph friendly).
+        """
         half = self.inv_freq.shape[0]
         if positions.numel() == 0:
             table = self._table.new_empty((*positions.shape, 2 * half))
+        elif max_position is not None:
+            self.reserve(max_position + 1)
+            table = self._table[positions]
         else:
             low, high = (int(v) for v in torch.aminmax(positions))
             if low < 0 or positions.is_floating_point():  # not a table index: the direct formula

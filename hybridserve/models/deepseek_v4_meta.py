@@ -74,7 +74,8 @@ def build_meta(
     groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
     slots = batch.slots(groups, 1, key_pos, batch.req_indices[:, None])  # [G, T, W]
     token_slots = dict(zip(groups, slots[:, :, -1].contiguous().unbind(0), strict=True))
-    rope = {name: r.cos_sin(pos, dtype) for name, r in rotary.items()}
+    top = max(batch.host_layout().ends, default=1) - 1  # positions are < their request's end
+    rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
         csa = _compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
@@ -135,4 +136,5 @@ def _new_rows(
     if layout.pad_windows:  # padding reads the null block's zero rows and writes slot 0 (the null block)
         src_slots, slots = src_slots * keep[:, None], slots * keep
     positions = w * m
-    return NewRows(count, src_slots, src_pos >= 0, positions, rope.cos_sin(positions, dtype), slots)
+    cos_sin = rope.cos_sin(positions, dtype, max(windows) * m)
+    return NewRows(count, src_slots, src_pos >= 0, positions, cos_sin, slots)
