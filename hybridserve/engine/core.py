@@ -82,6 +82,9 @@ class EngineCore:
             self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
         )
         self.max_model_len = config.max_model_len or self.model.cfg.max_position_embeddings
+        self.limits = RequestLimits(
+            self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens()
+        )
         self.runner = self._build_runner()
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -117,10 +120,6 @@ class EngineCore:
             num_blocks=self.config.num_blocks,
             window_cache_share=self.config.window_cache_share if self.config.enable_prefix_caching else 0.0,
         )
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens())
 
     @property
     def max_request_tokens(self) -> int:
