@@ -1,4 +1,4 @@
-"""Command line: ``hybridserve serve | generate | plan | bench``."""
+"""Command line: ``hybridserve serve | generate | plan | quantize | bench``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from hybridserve.models.quantize import quantize_checkpoint
+
+    r = quantize_checkpoint(args.model, args.out, args.weights)
+    print(f"{args.out}: {r.quantized} weights as {args.weights}, {r.kept} tensors kept")
+    print(f"safetensors bytes: {r.bytes_in:,} -> {r.bytes_out:,} ({r.bytes_out / max(r.bytes_in, 1):.2f}x)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from hybridserve.bench.cli import run_bench
 
@@ -108,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    quantize = sub.add_parser("quantize", help="write a checkpoint in DeepSeek's FP8 / FP4-experts layout")
+    quantize.add_argument("--model", required=True, help="full-precision Hugging Face model folder")
+    quantize.add_argument("--out", required=True, help="new folder for the quantized checkpoint")
+    quantize.add_argument("--weights", required=True, choices=["fp8", "fp4-experts"])
+    quantize.set_defaults(fn=cmd_quantize)
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
     from hybridserve.bench.args import add_bench_args
 

@@ -81,6 +81,13 @@ class EngineConfig:
         default=False,
         metadata={"help": "on CUDA, no torch.compile and no CUDA graphs (CPU always runs eagerly)"},
     )
+    dequantize_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "dequantise an FP8/FP4 checkpoint's weights to --dtype at load (2-4x the memory, same "
+            "outputs); by default they stay quantized and each layer dequantises its own at use"
+        },
+    )
     reserve_lookahead: int | None = field(
         default=None,
         metadata={

@@ -19,6 +19,7 @@ from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
 from hybridserve.layers.moe import MoE
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
+from hybridserve.layers.quantized_linear import dense_weight
 from hybridserve.layers.rope import Rotary, apply_rope
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from hybridserve.models.deepseek_v4_meta import (
@@ -151,7 +152,7 @@ class Attention(nn.Module):
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         g = self.cfg.o_groups
         x = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, in]
-        w = self.wo_a.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
+        w = dense_weight(self.wo_a, x.dtype).view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
         return torch.bmm(x, w).transpose(0, 1).flatten(1)
 
     def _compressed_keys(
@@ -373,11 +374,11 @@ class DeepseekV4Model(nn.Module):
         """Every key ``load_weights`` must fill for the model to be complete."""
         keys: set[str] = set()
         for name, _ in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.endswith("experts.gate_up"):
+            if name.endswith(("experts.gate_up", "experts.gate_up_scale")):
                 keys.update(
                     _fill_key(name, e, w) for e in range(self.cfg.n_routed_experts) for w in ("w1", "w3")
                 )
-            elif name.endswith("experts.down"):
+            elif name.endswith(("experts.down", "experts.down_scale")):
                 keys.update(_fill_key(name, e, None) for e in range(self.cfg.n_routed_experts))
             else:
                 keys.add(name)
@@ -387,7 +388,7 @@ class DeepseekV4Model(nn.Module):
         """Cast weights to ``dtype`` except those the reference keeps in float32 (norms, hc, sinks...)."""
         self.dtype = dtype
         for p in self.parameters():
-            if not getattr(p, "keep_fp32", False):
+            if not getattr(p, "keep_fp32", False) and not getattr(p, "quantized", False):
                 p.data = p.data.to(dtype)
 
 
@@ -416,10 +417,11 @@ def checkpoint_to_param(disk_name: str) -> tuple[str, int | None, str | None]:
         name = _mtp_name(name)
     if ".ffn.experts." in name:
         prefix, rest = name.split(".ffn.experts.")
-        expert, which = rest.split(".")[:2]
+        expert, which, kind = ([*rest.split("."), ""])[:3]
+        suffix = "_scale" if kind == "scale" else ""  # a quantized expert's scale grid
         if which == "w2":
-            return f"{prefix}.ffn.experts.down", int(expert), None
-        return f"{prefix}.ffn.experts.gate_up", int(expert), which
+            return f"{prefix}.ffn.experts.down{suffix}", int(expert), None
+        return f"{prefix}.ffn.experts.gate_up{suffix}", int(expert), which
     return name, None, None
 
 
