@@ -88,6 +88,13 @@ class EngineConfig:
             "outputs); by default they stay quantized and each layer dequantises its own at use"
         },
     )
+    native_fp8_matmul: bool = field(
+        default=True,
+        metadata={
+            "help": "on CUDA sm90+, FP8 weights multiply natively (torch scaled_mm; activations rounded to "
+            "e4m3 per 128 values, as DeepSeek's kernels do); off: dequantise per layer at use"
+        },
+    )
     reserve_lookahead: int | None = field(
         default=None,
         metadata={

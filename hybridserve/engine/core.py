@@ -74,7 +74,9 @@ class EngineCore:
         self.device = config.torch_device()
         raw = read_config(config.model)
         self.dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-        self.model = load_model(config.model, self.dtype, self.device, not config.dequantize_weights)
+        self.model = load_model(
+            config.model, self.dtype, self.device, not config.dequantize_weights, config.native_fp8_matmul
+        )
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
         self.coordinator = KvCacheCoordinator(self.plan, self.pools, config.enable_prefix_caching)

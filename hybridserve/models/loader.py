@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from hybridserve.layers.quantized_linear import QuantLinear
 from hybridserve.models.deepseek_v4 import DeepseekV4Model, checkpoint_to_param
 from hybridserve.models.quant import (
     QuantizedModule,
@@ -43,12 +44,17 @@ def read_config(folder: str | Path) -> dict:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: torch.device | str, keep_quantized: bool = True
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    keep_quantized: bool = True,
+    native_fp8: bool = False,
 ) -> DeepseekV4Model:
     """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong.
 
     FP8 / FP4 weights of linears and routed experts stay quantized in memory (dequantised per layer at
-    use) unless ``keep_quantized`` is False; other quantized tensors are dequantised here.
+    use) unless ``keep_quantized`` is False; other quantized tensors are dequantised here. With
+    ``native_fp8``, FP8 linears multiply natively where the device supports it (CUDA sm90+).
     """
     raw = read_config(folder)
     try:
@@ -75,6 +81,10 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
+    if native_fp8:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.enable_native_fp8()
     return model.eval()
 
 

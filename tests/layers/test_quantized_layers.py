@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridserve.layers import fp8_matmul
 from hybridserve.layers.moe import Experts
 from hybridserve.layers.quantized_experts import QuantizedExperts
 from hybridserve.layers.quantized_linear import QuantLinear
@@ -17,6 +18,7 @@ from hybridserve.layers.quantized_weight import (
     dequantize,
     quantize_fp4,
     quantize_fp8,
+    scale_values,
 )
 
 HIDDEN, INTER, N_EXPERTS, LIMIT = 64, 32, 6, 2.0
@@ -122,3 +124,57 @@ def test_encoders_represent_their_own_output_exactly() -> None:
         once = dequantize(*encode(w))
         assert torch.equal(dequantize(*encode(once.float())), once)
         assert (once.float() - w).abs().max() / w.abs().max() <= bound
+
+
+# --- native FP8 matmul (CUDA sm90+), DeepSeek's 1x128 activation / 128x128 weight recipe ---
+
+
+def _fp8_layer(out: int = 256, n_in: int = 384) -> QuantLinear:
+    q, s = quantize_fp8(torch.randn(out, n_in) / n_in**0.5)
+    layer = QuantLinear(n_in, out, FP8, q.dtype, tuple(s.shape), s.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.scale.copy_(s)
+    return layer
+
+
+def test_activation_quantization_uses_power_of_two_scales_per_128() -> None:
+    x = torch.randn(3, 256) * torch.tensor([1e-3] * 128 + [50.0] * 128)
+    xq, scale = fp8_matmul.quantize_activations(x)
+    assert xq.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
+    back = (xq.float().unflatten(-1, (2, 128)) * scale[..., None]).flatten(-2)
+    assert ((back - x).abs() <= x.abs() * 2**-4 + scale.repeat_interleave(128, 1) * 2**-9).all()
+
+
+def test_emulated_fp8_product_is_close_to_the_dequantised_one() -> None:
+    layer = _fp8_layer()
+    x = torch.randn(5, 384)
+    got = fp8_matmul.emulated(*fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale))
+    dense = F.linear(x, layer.dense_weight(torch.float32))
+    assert (got - dense).abs().max() <= 0.05 * dense.abs().max()  # e4m3 activations: 3 mantissa bits
+
+
+def test_native_fp8_falls_back_to_dequantising_where_torch_refuses(caplog: pytest.LogCaptureFixture) -> None:
+    layer = _fp8_layer()
+    x = torch.randn(4, 384).bfloat16()
+    if not fp8_matmul.device_supported(x.device):
+        assert not layer.enable_native_fp8() and layer.native_fp8 == "off"
+        layer.native_fp8 = "unchecked"  # as if the device were supported: torch refuses blockwise on CPU
+        with caplog.at_level("WARNING"):
+            assert torch.equal(layer(x), F.linear(x, layer.dense_weight(torch.bfloat16)))
+        assert layer.native_fp8 == "off" and "native FP8 matmul unavailable" in caplog.text
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not fp8_matmul.device_supported(torch.device("cuda")),
+    reason="needs a CUDA device of compute capability 9.0+",
+)
+def test_native_fp8_matmul_agrees_with_its_float32_arithmetic_on_cuda() -> None:
+    layer = _fp8_layer().to("cuda")
+    assert layer.enable_native_fp8()
+    x = torch.randn(7, 384, device="cuda").bfloat16()
+    first, again = layer(x), layer(x)
+    assert layer.native_fp8 == "on" and torch.equal(first, again)
+    ref = fp8_matmul.emulated(*fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale))
+    torch.testing.assert_close(first.float(), ref, atol=2e-2, rtol=2e-2)

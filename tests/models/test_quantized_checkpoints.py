@@ -86,13 +86,16 @@ def test_engine_keeps_weights_quantized_unless_asked_and_decodes_the_same(
 # --- an encoder written here from the format spec, independent of hybridserve's ---
 
 
-def _fp8_encode(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 with one float32 scale (amax / 448) per block x block tile: the Hugging Face V3 variant."""
+def _fp8_encode(
+    w: torch.Tensor, block: int, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one scale per block x block tile, by default amax / 448 (the Hugging Face V3 variant)."""
     rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
-    scale = torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            scale[i, j] = w[i * block : (i + 1) * block, j * block : (j + 1) * block].abs().max() / 448
+    if scale is None:
+        scale = torch.empty(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                scale[i, j] = w[i * block : (i + 1) * block, j * block : (j + 1) * block].abs().max() / 448
     r, c = torch.arange(w.shape[0])[:, None] // block, torch.arange(w.shape[1])[None, :] // block
     return (w / scale[r, c]).to(torch.float8_e4m3fn), scale
 
@@ -138,9 +141,15 @@ def _spec_encoded(src: Path, dst: Path) -> dict[str, torch.Tensor]:
         if ".ffn.experts." in name:
             tensors[name], tensors[base + ".scale"] = _fp4_encode(w)
             expected[name] = _fp4_decode(tensors[name], tensors[base + ".scale"])
-        elif not name.endswith("gate.weight"):
+        elif ".attn." in name:  # float32 scales, Hugging Face V3 naming
             tensors[name], tensors[base + ".weight_scale_inv"] = _fp8_encode(w, 8)
             expected[name] = _fp8_decode(tensors[name], tensors[base + ".weight_scale_inv"], 8)
+        elif not name.endswith("gate.weight"):  # ue8m0 scales, DeepSeek V4 naming
+            tensors[name], scale = _fp8_encode(w, 8)
+            exps = torch.ceil(torch.log2(scale)).long()
+            tensors[name] = _fp8_encode(w, 8, torch.pow(2.0, exps.float()))[0]
+            tensors[base + ".scale"] = (exps + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+            expected[name] = _fp8_decode(tensors[name], torch.pow(2.0, exps.float()), 8)
         else:
             tensors[name] = w
     save_file(tensors, str(dst / "model.safetensors"))
