@@ -88,6 +88,13 @@ class EngineConfig:
             "outputs); by default they stay quantized and each layer dequantises its own at use"
         },
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the model dtype) or fp8: window KV, compressed rows and indexer keys in e4m3 with "
+            "a power-of-two scale per 64 values (rope dimensions stay in the model dtype), like DeepSeek-V4"
+        },
+    )
     native_fp8_matmul: bool = field(
         default=True,
         metadata={
@@ -107,6 +114,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -43,7 +43,7 @@ class RadixOracle:
     def expected_hit(self, tokens: list[int], coordinator: KvCacheCoordinator) -> int:
         B = self.block_tokens
         n = min(self.depth(tokens), (len(tokens) - 1) // B)
-        hashes = block_hashes(tokens[: n * B], B)
+        hashes = block_hashes(tokens[: n * B], B, salt=coordinator.hash_salt)
         while n > 0:
             if all(
                 self._resident(coordinator, g.spec.name, g.spec.kind, g.spec.window_tokens, hashes, n)
