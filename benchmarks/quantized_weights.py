@@ -2,7 +2,8 @@
 
 Modes: the full-precision checkpoint loaded as bfloat16; ``hybridserve quantize --weights fp8`` and
 ``fp4-experts`` of it kept quantized (bfloat16 compute, each layer dequantises its weights at use);
-the FP8 checkpoint dequantised at load (``--dequantize-weights``). For each: checkpoint bytes,
+the FP8 checkpoint dequantised at load (``--dequantize-weights``); bfloat16 weights with
+``--kv-cache-dtype fp8``. For each: checkpoint bytes,
 resident weight bytes (every parameter and buffer of the loaded model), the cache bytes per token
 (history groups; the cache dtype follows --dtype, not the weights), and offline greedy decode tok/s at
 each concurrency (continuous batching, ``ignore_eos``).
@@ -36,19 +37,22 @@ def _checkpoint_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _measure(folder: Path, dequantize: bool, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+def _measure(
+    folder: Path, dequantize: bool, kv_cache_dtype: str, args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
     row: dict[str, Any] = {"checkpoint_bytes": _checkpoint_bytes(folder)}
     for c in [int(x) for x in args.concurrency.split(",")]:
         llm = LLM(
             str(folder),
             dtype="bfloat16",
             dequantize_weights=dequantize,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_seqs=c,
             kv_cache_memory=args.kv_cache_memory,
         )
         model = llm.engine.model
         row["resident_weight_bytes"] = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-        specs = model.cache_specs()
+        specs = model.cache_specs(kv_cache_dtype=kv_cache_dtype)
         row["cache_bytes_per_token"] = sum(s.bytes_per_token for s in specs if s.kind == GroupKind.HISTORY)
         prompts = _prompts(c, args.prompt_len, vocab, seed=c)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -82,13 +86,14 @@ def main() -> None:
         for mode, folder in folders.items():
             quantize_checkpoint(src, folder, mode)
         runs = [
-            ("bf16", src, False),
-            ("fp8", folders["fp8"], False),
-            ("fp4-experts", folders["fp4-experts"], False),
-            ("fp8, dequantised at load", folders["fp8"], True),
+            ("bf16", src, False, "auto"),
+            ("fp8", folders["fp8"], False, "auto"),
+            ("fp4-experts", folders["fp4-experts"], False, "auto"),
+            ("fp8, dequantised at load", folders["fp8"], True, "auto"),
+            ("bf16, fp8 kv cache", src, False, "fp8"),
         ]
-        for name, folder, dequantize in runs:
-            rows[name] = _measure(folder, dequantize, args, vocab)
+        for name, folder, dequantize, kv in runs:
+            rows[name] = _measure(folder, dequantize, kv, args, vocab)
             print(name, json.dumps(rows[name]), flush=True)
     out = Path(args.result_json)
     out.parent.mkdir(parents=True, exist_ok=True)
