@@ -109,3 +109,16 @@ def test_prefix_hashes_are_salted_with_the_cache_dtype(tiny_checkpoint: Callable
     folder = tiny_checkpoint("mixed")
     salts = {kv: _llm(folder, kv_cache_dtype=kv).engine.coordinator.hash_salt for kv in ("auto", "fp8")}
     assert salts["auto"] != salts["fp8"] and b"fp8" in salts["fp8"]
+
+
+def test_plan_command_shows_the_fp8_cache(
+    tiny_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridserve.cli import main
+
+    longest = {}
+    for kv in ("auto", "fp8"):
+        assert main(["plan", "--model", str(tiny_checkpoint("mixed")), "--kv-cache-dtype", kv]) == 0
+        out = capsys.readouterr().out
+        longest[kv] = int(out.split("longest request that fits alone:")[1].split()[0].replace(",", ""))
+    assert longest["fp8"] > longest["auto"]
