@@ -68,7 +68,7 @@ def greedy_trace(
     top2: list[tuple[int, int]] = []
     gaps: list[float] = []
     step = list(prompt)
-    with torch.no_grad(), stable_indexer_topk() if stable else nullcontext(), _indexer_ties(model) as ties:
+    with torch.no_grad(), stable_indexer_topk() if stable else nullcontext(), indexer_ties(model) as ties:
         for _ in range(max_new):
             logits = model(torch.tensor([step]), past_key_values=cache_, use_cache=True).logits[0, -1]
             values, ids = logits.float().topk(2)
@@ -80,7 +80,7 @@ def greedy_trace(
 
 
 @contextmanager
-def _indexer_ties(model: Any) -> Iterator[list[int]]:
+def indexer_ties(model: Any) -> Iterator[list[int]]:
     """Collect the absolute positions of queries whose indexer top-k boundary falls in an exact tie."""
     cfg = model.config
     m, k = cfg.compress_rates["compressed_sparse_attention"], cfg.index_topk
@@ -133,41 +133,3 @@ def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch
             out.append(logits[0])
             pos += c
     return torch.cat(out)
-
-
-@dataclass
-class TieReport:
-    ties: list[tuple[int, int]]  # (layer, query position) whose top-k boundary falls inside an exact tie
-    min_logit_gaps: list[float]  # per generated step: gap between the best and second-best logit
-
-
-def tie_report(model: Any, token_ids: list[int], prompt_len: int) -> TieReport:
-    """Run ``token_ids`` once through the reference and report exact indexer ties and logit gaps."""
-    ties: list[tuple[int, int]] = []
-    cfg = model.config
-    m = cfg.compress_rates["compressed_sparse_attention"]
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        comp = getattr(layer.self_attn, "compressor", None)
-        indexer = getattr(comp, "indexer", None)
-        if indexer is None:
-            continue
-
-        def hook(module: Any, args: Any, scores: torch.Tensor, layer_idx: int = i) -> None:
-            for pos in range(scores.shape[1]):
-                valid = scores[0, pos, : (pos + 1) // m]
-                k = cfg.index_topk
-                if valid.numel() > k:
-                    top = valid.sort(descending=True).values
-                    if top[k - 1] == top[k]:
-                        ties.append((layer_idx, pos))
-
-        hooks.append(indexer.scorer.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0]
-    finally:
-        for h in hooks:
-            h.remove()
-    top2 = logits[prompt_len - 1 :].float().topk(2, dim=-1).values
-    return TieReport(ties, (top2[:, 0] - top2[:, 1]).tolist())

@@ -51,6 +51,7 @@ class PoolUsage:
     used: int
     total: int
     cached: int
+    evicted: int = 0
 
 
 @dataclass
@@ -233,7 +234,8 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         pools = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached) for n, p in self.pools.pools.items()
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),
