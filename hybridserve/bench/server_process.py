@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -50,3 +51,24 @@ def stop(process: subprocess.Popen, grace: float = 30.0) -> int:
         process.kill()
         process.wait()
         return -9
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(k) for k in kids] + [g for k in kids for g in descendants(int(k))]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants (the API and engine-core processes)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024

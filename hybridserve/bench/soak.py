@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from hybridserve.bench.server_process import free_port, parse_metrics, stop, wait_healthy
+from hybridserve.bench.server_process import free_port, parse_metrics, rss_mib, stop, wait_healthy
+from hybridserve.bench.soak_chaos import Chaos
 from hybridserve.bench.soak_traffic import KINDS, LATENCY_KINDS, Outcome, Traffic
 from hybridserve.config import default_model_path
 
@@ -45,6 +46,7 @@ class SoakReport:
     rss_second_half_growth_mib: float = 0.0
     latency_quarters: list[dict[str, float]] = field(default_factory=list)  # p50/p90/p99 seconds
     server_exit: int | None = None
+    kills: list[tuple[int, int]] = field(default_factory=list)  # chaos: (requests done, worker pid)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -53,27 +55,6 @@ class SoakReport:
 
 
 # ---- the server's side: its processes, its memory, its metrics -----------------------------------
-def _children(pid: int) -> list[int]:
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    return [int(k) for k in kids] + [g for k in kids for g in _children(int(k))]
-
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants (the API and engine-core processes)."""
-    total = 0
-    for p in [pid, *_children(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
-
-
 def _sum(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
@@ -130,6 +111,7 @@ async def drive(args: argparse.Namespace, url: str, pid: int | None, report: Soa
             queue.put_nowait(item)
         outcomes: list[Outcome] = []
         sample_every = max(1, args.requests // 40)
+        chaos = Chaos(args.kill_every, args.kill_match, random.Random(args.seed))
 
         async def worker() -> None:
             while not queue.empty():
@@ -137,9 +119,11 @@ async def drive(args: argparse.Namespace, url: str, pid: int | None, report: Soa
                 outcomes.append(await KINDS[kind][1](traffic, random.Random(args.seed * 1_000_003 + i)))
                 if pid is not None and len(outcomes) % sample_every == 0:
                     report.rss_mib.append((len(outcomes), round(rss_mib(pid), 1)))
+                chaos.after(len(outcomes), pid)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         metrics = await wait_idle(client)
+    report.kills = chaos.kills
     report.kv_blocks_used_after = {
         k: v for k, v in metrics.items() if k.startswith("hybridserve_kv_blocks_used")
     }
@@ -184,6 +168,7 @@ def judge(report: SoakReport, outcomes: list[Outcome], args: argparse.Namespace)
             f"RSS grew {report.rss_second_half_growth_mib} MiB over the second half (> {args.rss_bound_mib})",
         ),
         (report.server_exit in (None, 0), f"the server exited {report.server_exit} on SIGTERM"),
+        (not args.kill_every or bool(report.kills), f"no process matched --kill-match {args.kill_match!r}"),
     ]
     for stat in ("p50", "p90"):
         values = [q[stat] for q in report.latency_quarters[1:] if q["n"] > 1]
@@ -237,4 +222,6 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds any one request may take")
     p.add_argument("--rss-bound-mib", type=float, default=64.0, help="allowed RSS growth, second half")
     p.add_argument("--latency-factor", type=float, default=2.0, help="allowed p50/p90 ratio across quarters")
+    p.add_argument("--kill-every", type=int, default=0, help="chaos: SIGKILL a worker every N requests")
+    p.add_argument("--kill-match", default="", help="chaos: workers are descendants whose cmdline has this")
     p.add_argument("--result-json", default=None)

@@ -14,7 +14,7 @@ from tests.reference import reference_greedy
 
 BUNDLED = Path(default_model_path())
 MAX_NEW = 24
-MAX_PROVEN = 1  # of 16 completions; every one must still carry its proof (tests/proofs.py)
+MAX_PROVEN = 1  # of 16 completions (measured: 0); each must still carry its proof (tests/proofs.py)
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
