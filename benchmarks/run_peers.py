@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -205,6 +206,8 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     args = parser.parse_args()
     _require_matplotlib()
+    # SIGTERM (e.g. from `timeout`) unwinds like an exception, so each engine's server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     caching = args.prefix_caching == "on" or (args.prefix_caching == "auto" and args.workload != "random")
     checkpoint = Path(args.checkpoint).resolve()
     default_out = ROOT / "benchmarks/results" / checkpoint.name
