@@ -51,8 +51,12 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling; defaults follow vLLM (temperature 1.0, max_tokens 16)."""
+    """Per-request sampling; defaults follow vLLM (temperature 1.0, max_tokens 16).
 
+    ``n`` is read by the offline ``LLM`` (n sequences per prompt, consecutive seeds); the server fans out
+    its own ``n``, and the engine runs one sequence per request."""
+
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -84,6 +88,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
+            (self.n >= 1, "n must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1, 0 (off) or positive"),

@@ -29,7 +29,6 @@ log = logging.getLogger("hybridserve.engine")
 
 MAX_SPEC_CHARS = 64 << 10  # longest schema / regex / grammar text accepted
 MAX_CACHED_GRAMMARS = 256
-MAX_ROLLBACK_TOKENS = 16  # draft tokens a matcher can take back
 
 
 def grammar_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -102,7 +101,7 @@ def _grammar(kind: str, text: str) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(text)
     if kind == "structural_tag":
         return xgr.Grammar.from_structural_tag(text)
-    return xgr.Grammar.builtin_json_grammar()
+    return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
 
 
 def token_bytes(folder: str | Path) -> tuple[list[bytes], list[int]]:
@@ -217,7 +216,7 @@ class StructuredOutputs:
         spec = request.params.structured_outputs
         if spec is None:
             return
-        matcher = xgr.GrammarMatcher(self.compile(spec), max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        matcher = xgr.GrammarMatcher(self.compile(spec))  # it can roll back any number of tokens
         self._matched[request.request_id] = _Matched(weakref.ref(request), matcher)
 
     def is_terminated(self, request: Request) -> bool:
@@ -278,7 +277,7 @@ class StructuredOutputs:
             return None
         outputs = request.output_token_ids
         cut = state.num_accepted - len(outputs)
-        if cut > 0 and (cut > MAX_ROLLBACK_TOKENS or state.broken):  # replay from the start
+        if cut > 0 and state.broken:  # replay from the start
             state.matcher.reset()
             state.num_accepted, state.broken = 0, False
         elif cut > 0:  # tokens were cut (a rejected draft)

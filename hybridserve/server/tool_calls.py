@@ -31,6 +31,7 @@ from hybridserve.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEG
 _CALL = re.compile(
     re.escape(TOOL_CALL_BEGIN) + "(.*?)" + re.escape(TOOL_SEP) + "(.*?)" + re.escape(TOOL_CALL_END), re.S
 )
+MAX_JSON_WHITESPACE = 1  # per gap in forced arguments: a weak model must not pad JSON with newlines forever
 _V3_ARGS = re.compile(r"^\s*(\S+)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
 
 
@@ -55,6 +56,7 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | No
         tool_choice=named,
         reasoning="disabled",
         parallel_tool_calls=body.parallel_tool_calls,
+        max_whitespace_cnt=MAX_JSON_WHITESPACE,
     )
     return StructuredOutputsParams(structural_tag=tag.model_dump_json())
 
