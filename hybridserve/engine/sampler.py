@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hybridserve.engine.request import Logprob, Request, SamplingParams
+from hybridserve.engine.structured import StructuredOutputs
 
 _F32 = torch.finfo(torch.float32)
 _NEG_INF = float("-inf")
@@ -40,8 +41,9 @@ class Sampler:
     depend on what else is in the batch; the others share the sampler's generator (one per device).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, structured: StructuredOutputs | None = None) -> None:
         self.seed = seed
+        self.structured = structured  # grammar masks of structured-output requests
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
         self._history = _TokenHistory()
@@ -50,14 +52,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         logits = _finite(logits.float())
         self._history.release_finished()
-        penalised = self._penalised(logits, requests)
-        best = _best_tokens(penalised, logits)
+        # Grammar masks first, so that even the fallback of a row with every token banned obeys them.
+        allowed = self.structured.apply(logits, requests) if self.structured is not None else logits
+        penalised = self._penalised(allowed, requests)
+        best = _best_tokens(penalised, allowed)
         tokens = self._choose(penalised, best, requests)
         return _results(tokens, logits, requests)
 
     def _penalised(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The logits after min_tokens bans and penalties; ``logits`` itself when no row has either."""
-        out = _banned(logits, requests)
+        out = _biased(_banned(logits, requests), requests)
         rows = [i for i, r in enumerate(requests) if _penalises(r.params)]
         if not rows:
             return out
@@ -319,6 +323,23 @@ def _banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
     at = _tensor([rows, ids], torch.long, logits.device)
     return logits.index_put((at[0], at[1]), logits.new_full((), _NEG_INF))
+
+
+def _biased(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` plus each request's logit_bias (a copy), or ``logits`` itself when no request has one."""
+    rows: list[int] = []
+    ids: list[int] = []
+    bias: list[float] = []
+    for i, req in enumerate(requests):
+        for tid, b in (req.params.logit_bias or {}).items():
+            if 0 <= tid < logits.shape[1]:
+                rows.append(i)
+                ids.append(tid)
+                bias.append(b)
+    if not rows:
+        return logits
+    at = _tensor([rows, ids], torch.long, logits.device)
+    return logits.index_put((at[0], at[1]), _tensor(bias, logits.dtype, logits.device), accumulate=True)
 
 
 def _min_tokens_bans(requests: list[Request], vocab: int) -> tuple[list[int], list[int]]:
