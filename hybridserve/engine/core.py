@@ -19,6 +19,7 @@ from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.structured import StructuredOutputs
+from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -54,6 +55,7 @@ class PoolUsage:
     used: int
     total: int
     cached: int
+    evicted: int = 0
 
 
 @dataclass
@@ -77,10 +79,14 @@ class EngineCore:
         self.device = config.torch_device()
         raw = read_config(config.model)
         self.dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(
+            config.model, self.dtype, self.device, not config.dequantize_weights, config.native_fp8_matmul
+        )
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
-        self.coordinator = KvCacheCoordinator(self.plan, self.pools, config.enable_prefix_caching)
+        self.coordinator = KvCacheCoordinator(
+            self.plan, self.pools, config.enable_prefix_caching, hash_salt=self._cache_salt()
+        )
         self.scheduler = Scheduler(
             self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
         )
@@ -112,8 +118,18 @@ class EngineCore:
             enforce_eager=self.config.enforce_eager,
         )
 
+    def _cache_salt(self) -> bytes:
+        """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
+        return f"kv:{self.config.kv_cache_dtype}:{self.dtype}".encode()
+
     def _build_plan(self) -> CachePlan:
-        specs = self.model.cache_specs()
+        if self.config.kv_cache_dtype == "fp8" and (why := fp8_supported(self.device)) is not None:
+            raise ValueError(
+                f"--kv-cache-dtype fp8: {self.device} cannot store float8_e4m3fn tensors ({why}); serve "
+                "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
+                "per token)"
+            )
+        specs = self.model.cache_specs(kv_cache_dtype=self.config.kv_cache_dtype)
         block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
         return build_plan(
             specs,
@@ -245,7 +261,8 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         pools = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached) for n, p in self.pools.pools.items()
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),

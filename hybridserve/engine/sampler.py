@@ -395,8 +395,10 @@ def _filtered_weights(logits: torch.Tensor, filters: _Filters) -> torch.Tensor:
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=probs.device)[None]
+    # As vLLM: top-p measures the mass that top-k kept, not the whole distribution's.
+    sorted_p = sorted_p.masked_fill(ranks >= top_k[:, None], 0)
     cum = sorted_p.cumsum(dim=-1)
-    drop = (ranks >= top_k[:, None]) | ((cum - sorted_p) > top_p[:, None] * cum[:, -1:])
+    drop = (cum - sorted_p) > top_p[:, None] * cum[:, -1:]
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
