@@ -9,6 +9,7 @@ tentatively and rolled back afterwards.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -18,14 +19,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Request, StructuredOutputsParams
 
 log = logging.getLogger("hybridserve.engine")
+
+
+class _OnFirstUse:
+    """A module imported when first touched: xgrammar pulls in transformers (seconds at start-up), which
+    a server whose requests never ask for structured outputs does not pay."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+else:
+    xgr = _OnFirstUse("xgrammar")
 
 MAX_SPEC_CHARS = 64 << 10  # longest schema / regex / grammar text accepted
 MAX_CACHED_GRAMMARS = 256

@@ -15,8 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import xgrammar as xgr
-
 from hybridserve.engine.request import StructuredOutputsParams
 from hybridserve.server.protocol import (
     ChatCompletionRequest,
@@ -50,6 +48,8 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | No
     for t in tools:
         t["function"].setdefault("parameters", {"type": "object"})
     named: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
+    import xgrammar as xgr  # here: see engine/structured.py on why xgrammar is imported on first use
+
     tag = xgr.get_model_structural_tag(
         "deepseek_v3_1",
         tools=tools,

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridserve.tokenizer import DEEPSEEK_CHAT_TEMPLATE
+from hybridserve.tokenizer import DEEPSEEK_CHAT_TEMPLATE, TOOL_CALLS_BEGIN
 from tests.server.conftest import API_KEY, Server, start_server, stop_server
 
 BUNDLED = Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4"
@@ -369,10 +369,16 @@ def test_tool_call_round_trip_streamed_and_not(client: openai.OpenAI, choice: An
 
 
 def test_parallel_required_calls_parse_what_completed(client: openai.OpenAI) -> None:
-    r = _chat(client, "Weather and time?", tools=[WEATHER, TIME], tool_choice="required", max_tokens=100)
-    calls = r.choices[0].message.tool_calls
-    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
-    assert r.choices[0].finish_reason in ("tool_calls", "length")
+    """Parallel calls: a tiny model may go on calling until max_tokens; the calls it completed are returned,
+    and whatever it wrote is inside the forced format."""
+    r = _chat(client, "Weather and time?", tools=[WEATHER, TIME], tool_choice="required", max_tokens=150)
+    msg, finish = r.choices[0].message, r.choices[0].finish_reason
+    assert all(c.function.name in ("get_weather", "get_time") for c in msg.tool_calls or [])
+    if finish == "tool_calls":
+        assert msg.tool_calls
+    else:
+        assert finish == "length"
+        assert msg.tool_calls or (msg.content or "").startswith(TOOL_CALLS_BEGIN)
 
 
 def test_tool_choice_auto_and_none_return_text(client: openai.OpenAI) -> None:
