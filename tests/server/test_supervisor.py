@@ -34,7 +34,7 @@ def faulty_client(tiny_checkpoint: Callable[[str], Path]) -> Iterator[TestClient
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PLUGINS_ENV, "tests.server.faults:poison_step")  # the core process inherits it
         with TestClient(app) as client:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 180  # a loaded 2-core machine can take a minute to import and load
             while client.get("/health").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
