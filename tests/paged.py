@@ -10,12 +10,19 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.layers.forward_batch import ForwardBatch
-from hybridserve.models.loader import load_model
+from hybridserve.models.loader import ModelShard, load_model
 
 
 class PagedSequence:
-    def __init__(self, folder: Path, dtype: torch.dtype, block_tokens: int, num_blocks: int = 64) -> None:
-        self.model = load_model(folder, dtype, "cpu")
+    def __init__(
+        self,
+        folder: Path,
+        dtype: torch.dtype,
+        block_tokens: int,
+        num_blocks: int = 64,
+        shard: ModelShard | None = None,
+    ) -> None:
+        self.model = load_model(folder, dtype, "cpu", shard)
         plan = build_plan(self.model.cache_specs(), block_tokens, 4, 512, num_blocks=num_blocks)
         self.pools = BlockPoolSet(plan, "cpu")
         self.coordinator = KvCacheCoordinator(plan, self.pools, enable_prefix_caching=False)

@@ -6,9 +6,11 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
@@ -22,6 +24,16 @@ class CheckpointError(ValueError):
     pass
 
 
+class ModelShard(Protocol):
+    """What one rank of a parallel world holds of the model (e.g. distributed.ExpertShard)."""
+
+    def apply(self, model: nn.Module) -> None: ...
+
+    def weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], num_experts: int
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
 def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -29,8 +41,11 @@ def read_config(folder: str | Path) -> dict:
     return dict(json.loads(path.read_text()))
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DeepseekV4Model:
-    """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong."""
+def load_model(
+    folder: str | Path, dtype: torch.dtype, device: torch.device | str, shard: ModelShard | None = None
+) -> DeepseekV4Model:
+    """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong.
+    With ``shard``, only this rank's part is built and read."""
     raw = read_config(folder)
     config_cls, model_cls = resolve(raw.get("model_type"))
     cfg = config_cls.from_dict(raw)
@@ -40,10 +55,15 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
     with torch.device("meta"):
         model = model_cls(cfg)
+        if shard is not None:
+            shard.apply(model)
     model.cast_(dtype)
     model.to_empty(device=device)
     unknown: list[str] = []
-    filled = model.load_weights(_tensors(Path(folder)), unknown)
+    tensors = _tensors(Path(folder))
+    if shard is not None:
+        tensors = shard.weights(tensors, cfg.n_routed_experts)
+    filled = model.load_weights(tensors, unknown)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
         raise CheckpointError(f"{folder}: {len(unknown)} tensors the model does not have: {shown}")
