@@ -24,6 +24,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -166,7 +167,7 @@ class DPEngineCoreClient:
             self.check_alive()
         stats = {r: m.snapshot for r, m in ready.items()}
         first = ready[0]
-        merged = dataclasses.replace(
+        merged = msgspec.structs.replace(
             first, cache_bytes=sum(m.cache_bytes for m in ready.values()), snapshot=merge_snapshots(stats)
         )
         return stats, merged
@@ -186,7 +187,7 @@ class DPEngineCoreClient:
             self._send_to(rank, message)
         elif isinstance(message, FinishRequests):
             for rank, ids in self._by_owner(message.request_ids).items():
-                self._send_to(rank, dataclasses.replace(message, request_ids=ids))
+                self._send_to(rank, msgspec.structs.replace(message, request_ids=ids))
         else:
             for rank in range(self.num_ranks):
                 self._push(rank, message)
