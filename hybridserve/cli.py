@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -81,6 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # On CPU, leave a core to the HTTP event loop: measured here, 2 torch threads on 2 cores made
     # batch-1 decode 1.8x slower than 1 (benchmarks/README.md).
     _set_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+    if args.headless:
+        from hybridserve.engine.headless import run_headless
+
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return run_headless(EngineConfig.from_cli(args))
     return serve(args)
 
 
