@@ -67,7 +67,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
     print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
     print(plan.describe(request_tokens=length))
+    _print_rank_bytes(config, dtype, plan.total_bytes)
     return 0
+
+
+def _print_rank_bytes(config: EngineConfig, dtype: torch.dtype, cache_bytes: int) -> None:
+    """Weights and cache each data-parallel rank holds (every rank has a plan of its own)."""
+    from hybridserve.distributed.expert_parallel import weight_bytes_per_rank
+    from hybridserve.models.loader import build_meta_model
+
+    n = config.data_parallel_size
+    ranks = n if config.expert_parallel else 1
+    weights = weight_bytes_per_rank(build_meta_model(config.model, dtype), ranks)
+    mode = "expert parallel" if config.expert_parallel else "replicas"
+    print(f"data parallel: {n} rank{'s' if n > 1 else ''} ({mode})" if n > 1 else "single rank")
+    for rank in range(n):
+        w = weights[rank if config.expert_parallel else 0]
+        print(f"rank {rank}: weights {w:,} B  cache {cache_bytes:,} B  total {w + cache_bytes:,} B")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

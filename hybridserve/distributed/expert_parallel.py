@@ -136,6 +136,21 @@ class ExpertShard:
                 yield name[: m.start(2)] + str(int(m.group(2)) - owned.start) + name[m.end(2) :], tensor
 
 
+def weight_bytes_per_rank(model: nn.Module, world_size: int) -> list[int]:
+    """Bytes of weights each of ``world_size`` expert-parallel ranks holds: everything but the routed
+    experts on every rank, plus its own range of each MoE's experts. Works on a meta model."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    moes = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    per_expert = sum((e.gate_up[0].numel() + e.down[0].numel()) * e.gate_up.element_size() for e in moes)
+    num_experts = moes[0].gate_up.shape[0] if moes else 0
+    replicated = total - per_expert * num_experts
+    if world_size == 1 or not moes:
+        return [total] * world_size
+    ranges = [ExpertRange(r, world_size, num_experts).bounds(r) for r in range(world_size)]
+    return [replicated + per_expert * (end - start) for start, end in ranges]
+
+
 def parallel_experts(model: nn.Module) -> list[ParallelExperts]:
     return [m for m in model.modules() if isinstance(m, ParallelExperts)]
 

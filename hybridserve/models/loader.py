@@ -46,18 +46,8 @@ def load_model(
 ) -> DeepseekV4Model:
     """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong.
     With ``shard``, only this rank's part is built and read."""
-    raw = read_config(folder)
-    config_cls, model_cls = resolve(raw.get("model_type"))
-    cfg = config_cls.from_dict(raw)
-    mtp_layers = _mtp_layers_present(Path(folder))
-    if mtp_layers < cfg.num_nextn_predict_layers:
-        # Checkpoints saved by transformers drop the MTP tensors: serve without a draft head.
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
-    with torch.device("meta"):
-        model = model_cls(cfg)
-        if shard is not None:
-            shard.apply(model)
-    model.cast_(dtype)
+    model = build_meta_model(folder, dtype, shard)
+    cfg = model.cfg
     model.to_empty(device=device)
     unknown: list[str] = []
     tensors = _tensors(Path(folder))
@@ -72,6 +62,25 @@ def load_model(
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
     return model.eval()
+
+
+def build_meta_model(
+    folder: str | Path, dtype: torch.dtype, shard: ModelShard | None = None
+) -> DeepseekV4Model:
+    """The model for ``folder`` (or one rank's part of it) with shapes and dtypes but no memory."""
+    raw = read_config(folder)
+    config_cls, model_cls = resolve(raw.get("model_type"))
+    cfg = config_cls.from_dict(raw)
+    mtp_layers = _mtp_layers_present(Path(folder))
+    if mtp_layers < cfg.num_nextn_predict_layers:
+        # Checkpoints saved by transformers drop the MTP tensors: serve without a draft head.
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
+    with torch.device("meta"):
+        model = model_cls(cfg)
+        if shard is not None:
+            shard.apply(model)
+    model.cast_(dtype)
+    return model
 
 
 def _mtp_layers_present(folder: Path) -> int:

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.distributed.expert_parallel import ExpertRange, ExpertShard, parallel_experts, run_dummy_moe
+from hybridserve.cli import main
+from hybridserve.distributed.expert_parallel import (
+    ExpertRange,
+    ExpertShard,
+    parallel_experts,
+    run_dummy_moe,
+    weight_bytes_per_rank,
+)
 from hybridserve.distributed.group import GroupAddress, init_group
+from hybridserve.models.loader import build_meta_model
 from tests.distributed.ranks import run_ranks
 from tests.paged import PagedSequence
 from tests.tiny_models import VOCAB
@@ -39,11 +47,15 @@ def _rank_forward(rank: int, world_size: int, port: int, folder: Path) -> dict[s
     for _ in range(steps - len(chunks)):
         run_dummy_moe(model.layers, model.cfg.hidden_size, torch.device("cpu"), model.dtype)
     held = sum(e.gate_up.shape[0] for e in parallel_experts(model)) // len(model.layers)
+    tensors = list(model.parameters()) + list(model.buffers())
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    planned = weight_bytes_per_rank(build_meta_model(folder, torch.float32), world_size)[rank]
     expected = single.logits(ids, chunks)
     group.destroy()
     return {
         "max_diff": float((got - expected).abs().max()),
         "experts_held": held,
+        "weight_bytes": (weight_bytes, planned),
     }
 
 
@@ -56,6 +68,8 @@ def test_expert_parallel_logits_equal_single_process(
         assert r["max_diff"] <= TOL, f"rank {rank}: max |diff| {r['max_diff']}"
         start, end = ExpertRange(rank, world_size, 4).bounds(rank)
         assert r["experts_held"] == end - start
+        held, planned = r["weight_bytes"]
+        assert held == planned  # what `hybridserve plan` reports per rank
 
 
 def test_expert_ranges_are_contiguous_and_cover_all() -> None:
@@ -66,3 +80,17 @@ def test_expert_ranges_are_contiguous_and_cover_all() -> None:
         assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
     with pytest.raises(ValueError, match="at least that many routed experts"):
         ExpertRange(0, 5, 4)
+
+
+def test_plan_reports_weight_and_cache_bytes_per_rank(
+    tiny_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tiny_checkpoint("mixed")
+    args = ["plan", "--model", str(folder), "--block-tokens", "8", "--kv-cache-memory", "1MiB"]
+    assert main([*args, "--data-parallel-size", "3", "--enable-expert-parallel"]) == 0
+    ranks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rank ")]
+    full = weight_bytes_per_rank(build_meta_model(folder, torch.float32), 1)[0]
+    weights = [int(line.split("weights ")[1].split(" B")[0].replace(",", "")) for line in ranks]
+    assert len(ranks) == 3 and weights[0] > weights[1] == weights[2]  # 4 experts: 2 + 1 + 1
+    cache = {line.split("cache ")[1].split(" B")[0] for line in ranks}
+    assert all(w < full for w in weights) and len(cache) == 1  # one plan of the same size per rank
