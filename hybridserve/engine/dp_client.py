@@ -1,8 +1,8 @@
 """DPEngineCoreClient: the API process's end of N data-parallel engine-core ranks.
 
 It starts this host's ranks (others may run elsewhere: ``hybridserve serve --headless``), binds one
-output socket they all push to and one input socket per rank, sends each request to the least-loaded
-rank (or to one that served the same prefix, when that costs it little), and hands the API process a
+output socket they all push to and one input socket per rank, sends each request to the rank its
+RankRouter picks (least loaded, or holding the prefix), and hands the API process a
 merged view: one snapshot summed over ranks, utility calls answered once every rank has.
 With expert parallelism every message to one rank comes with a ``Wake`` to each other rank
 (distributed/step_sync.py).
@@ -19,7 +19,6 @@ import shutil
 import socket
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -32,6 +31,7 @@ import zmq.asyncio
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineSnapshot, PoolUsage
 from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
+from hybridserve.engine.dp_router import RankRouter
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import (
     AddRequest,
@@ -49,10 +49,6 @@ from hybridserve.engine.messages import (
 )
 
 log = logging.getLogger("hybridserve.engine")
-
-PREFIX_STEP = 16  # prompt prefixes are remembered in steps of this many tokens
-PREFIX_MEMORY = 8192  # prefixes remembered (least recently used forgotten first)
-PREFIX_SLACK = 2  # a prefix's rank is chosen while it has at most this many more requests than the least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +131,7 @@ class DPEngineCoreClient:
             sock.bind(address)
             self._inputs.append(sock)
         self._async_outputs: zmq.asyncio.Socket | None = None
-        self.owner: dict[str, int] = {}
-        self.load = [0] * self.num_ranks
-        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self.router = RankRouter(self.num_ranks)
         self._results: dict[int, list[UtilityResult]] = {}
         self.processes = start_ranks(config, addresses)
         try:
@@ -181,23 +175,13 @@ class DPEngineCoreClient:
     def send(self, message: Any) -> None:
         """Route ``message``: a new request to one rank, finishes to their owners, the rest to all."""
         if isinstance(message, AddRequest):
-            rank = self.choose_rank(message.prompt_token_ids)
-            self.owner[message.request_id] = rank
-            self.load[rank] += 1
-            self._send_to(rank, message)
+            self._send_to(self.router.assign(message.request_id, message.prompt_token_ids), message)
         elif isinstance(message, FinishRequests):
-            for rank, ids in self._by_owner(message.request_ids).items():
+            for rank, ids in self.router.by_owner(message.request_ids).items():
                 self._send_to(rank, msgspec.structs.replace(message, request_ids=ids))
         else:
             for rank in range(self.num_ranks):
                 self._push(rank, message)
-
-    def _by_owner(self, request_ids: list[str]) -> dict[int, list[str]]:
-        groups: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            if request_id in self.owner:
-                groups.setdefault(self.owner[request_id], []).append(request_id)
-        return groups
 
     def _send_to(self, rank: int, message: Any) -> None:
         self._push(rank, message)
@@ -211,24 +195,6 @@ class DPEngineCoreClient:
             self._inputs[rank].send(encode(message), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise EngineDeadError(f"engine-core rank {rank} is not connected") from exc
-
-    def choose_rank(self, prompt: list[int]) -> int:
-        """The least-loaded rank (running + waiting), unless a rank that served the longest shared
-        prefix (in steps of PREFIX_STEP tokens) has at most PREFIX_SLACK more requests."""
-        least = min(range(self.num_ranks), key=lambda r: (self.load[r], r))
-        keys = _prefix_keys(prompt)
-        chosen = least
-        for key in reversed(keys):
-            rank = self._prefixes.get(key)
-            if rank is not None and self.load[rank] <= self.load[least] + PREFIX_SLACK:
-                chosen = rank
-                break
-        for key in keys:
-            self._prefixes[key] = chosen
-            self._prefixes.move_to_end(key)
-        while len(self._prefixes) > PREFIX_MEMORY:
-            self._prefixes.popitem(last=False)
-        return chosen
 
     # ---- from the ranks ----------------------------------------------------------------------------
     async def recv(self) -> CoreOutput:
@@ -256,18 +222,13 @@ class DPEngineCoreClient:
             self.rank_stats[message.snapshot.dp_rank] = message.snapshot
             for out in message.outputs:
                 if out.finish_reason is not None:
-                    self._forget(out.request_id)
+                    self.router.forget(out.request_id)
             return StepOutputs(message.outputs, merge_snapshots(self.rank_stats))
         if isinstance(message, Rejected):
-            self._forget(message.request_id)
+            self.router.forget(message.request_id)
         if isinstance(message, UtilityResult):
             return self._utility_result(message)
         return message
-
-    def _forget(self, request_id: str) -> None:
-        rank = self.owner.pop(request_id, None)
-        if rank is not None:
-            self.load[rank] -= 1
 
     def _utility_result(self, result: UtilityResult) -> UtilityResult | None:
         results = self._results.setdefault(result.call_id, [])
@@ -306,14 +267,6 @@ class DPEngineCoreClient:
             sock.close(linger=500)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _prefix_keys(prompt: list[int]) -> list[int]:
-    keys, h = [], 0
-    for end in range(PREFIX_STEP, len(prompt) + 1, PREFIX_STEP):
-        h = hash((h, tuple(prompt[end - PREFIX_STEP : end])))
-        keys.append(h)
-    return keys
 
 
 def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
