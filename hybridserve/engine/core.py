@@ -70,6 +70,7 @@ class EngineSnapshot:
     failed_steps: int = 0
     dp_rank: int = 0
     expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
+    collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
 
 
 class EngineCore:
@@ -267,6 +268,7 @@ class EngineCore:
             failed_steps=self.stats.failed_steps,
             dp_rank=self.config.data_parallel_rank,
             expert_tokens=self._expert_tokens(),
+            collective_s=sum(e.comm_s for e in parallel_experts(self.model)),
         )
 
     def _expert_tokens(self) -> dict[int, int]:

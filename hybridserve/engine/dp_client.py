@@ -291,6 +291,7 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
                 total.total + pool.total,
                 total.cached + pool.cached,
             )
+        merged.collective_s += s.collective_s
         for expert, n in s.expert_tokens.items():
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
     return merged

@@ -14,7 +14,7 @@ import os
 import zmq
 
 from hybridserve.distributed.step_sync import StepSync
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core import EngineCore, EngineSnapshot
 from hybridserve.engine.core_proc import _PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input, encode
@@ -46,8 +46,13 @@ class DataParallelCoreLoop(CoreLoop):
                 handled += self._receive(block=True)
             step = self._step() if agreed.any_work else []
             if step or handled:
-                self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
+                self.outputs.send(encode(StepOutputs(step, self._snapshot())))
             idle = agreed.idle
+
+    def _snapshot(self) -> EngineSnapshot:
+        snapshot = self.core.snapshot()
+        snapshot.collective_s += self.sync.comm_s
+        return snapshot
 
     def _step(self) -> list:
         steps = self.core.stats.steps
