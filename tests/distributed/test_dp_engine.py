@@ -63,11 +63,9 @@ def _generate(folder: Path, **engine_args: object) -> tuple[list[list[int]], lis
     return prompts, [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize("routing", ["random", "forced"])
-def test_expert_parallel_greedy_equals_batch1_reference(
-    tiny_checkpoint: Callable[[str], Path], forced_checkpoint: Path, routing: str
-) -> None:
-    folder = forced_checkpoint if routing == "forced" else tiny_checkpoint("mixed")
+def test_expert_parallel_greedy_equals_batch1_reference(forced_checkpoint: Path) -> None:
+    """Random routing is covered by test_expert_parallel.py (logits) and test_two_nodes.py (tokens)."""
+    folder = forced_checkpoint
     prompts, got, llm = _generate(
         folder, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=12, enable_prefix_caching=False
     )
@@ -78,8 +76,7 @@ def test_expert_parallel_greedy_equals_batch1_reference(
         assert all(p.used == 0 for s in stats.values() for p in s.pools.values())
         experts = {e: n for s in stats.values() for e, n in s.expert_tokens.items()}
         assert set(experts) == {0, 1, 2, 3}
-        if routing == "forced":
-            assert experts[0] == experts[1] == 0 and experts[2] > 0 and experts[3] > 0
+        assert experts[0] == experts[1] == 0 and experts[2] > 0 and experts[3] > 0
     finally:
         llm.shutdown()
     mismatched = 0
