@@ -127,6 +127,10 @@ class EngineConfig:
                 f"data-parallel ranks {start}..{start + local - 1} do not fit a world of {n} "
                 "(check --data-parallel-size, --data-parallel-size-local, --data-parallel-start-rank)"
             )
+        if local < n and self.data_parallel_rpc_port is None:
+            raise ValueError(
+                "ranks on several hosts need --data-parallel-rpc-port (and --data-parallel-address)"
+            )
 
     @property
     def local_ranks(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch.distributed as dist
 import zmq
 
 from hybridserve.distributed.step_sync import StepSync
@@ -34,8 +35,8 @@ class DataParallelCoreLoop(CoreLoop):
         idle = True
         while True:
             if idle and not self.inputs.poll(_PARENT_CHECK_MS):
-                if os.getppid() != self.parent:
-                    log.error("the process that started this rank is gone; exiting")
+                if os.getppid() != self.parent or not self._world_alive():
+                    log.error("the process that started this rank, or rank 0, is gone; exiting")
                     return 1
                 continue
             handled = self._receive(block=False)
@@ -49,14 +50,25 @@ class DataParallelCoreLoop(CoreLoop):
                 self.outputs.send(encode(StepOutputs(step, self._snapshot())))
             idle = agreed.idle
 
+    def _world_alive(self) -> bool:
+        """Whether rank 0's rendezvous store still answers (a headless host's ranks see the head die)."""
+        try:
+            self.sync.group.store.check(["hybridserve/alive"])
+        except (RuntimeError, dist.DistError):
+            return False
+        return True
+
     def _snapshot(self) -> EngineSnapshot:
         snapshot = self.core.snapshot()
         snapshot.collective_s += self.sync.comm_s
         return snapshot
 
     def _step(self) -> list:
-        steps = self.core.stats.steps
+        steps, failed = self.core.stats.steps, self.core.stats.failed_steps
         outputs = self.core.step() if self.core.has_unfinished_requests() else []
+        if self.core.stats.failed_steps != failed:
+            # It stopped somewhere inside the forward: the ranks' collectives no longer pair up.
+            raise EngineDeadError(f"a step failed on expert-parallel rank {self.sync.group.rank}")
         if self.core.stats.steps == steps:  # nothing scheduled here: the others still need our MoE
             self.core.execute_dummy_batch()
         return outputs
