@@ -1,4 +1,4 @@
-"""Command line: ``hybridserve serve | generate | plan | bench``."""
+"""Command line: ``hybridserve serve | generate | plan | quantize | bench``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     raw = read_config(config.model)
     cfg = DeepseekV4Config.from_dict(raw)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    specs = cache_specs(cfg, dtype)
+    specs = cache_specs(cfg, dtype, kv_cache_dtype=config.kv_cache_dtype)
     block_tokens = config.resolve_block_tokens([s.stride for s in specs])
     plan = build_plan(
         specs,
@@ -84,6 +84,15 @@ def _print_rank_bytes(config: EngineConfig, dtype: torch.dtype, cache_bytes: int
     for rank in range(n):
         w = weights[rank if config.expert_parallel else 0]
         print(f"rank {rank}: weights {w:,} B  cache {cache_bytes:,} B  total {w + cache_bytes:,} B")
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from hybridserve.models.quantize import quantize_checkpoint
+
+    r = quantize_checkpoint(args.model, args.out, args.weights)
+    print(f"{args.out}: {r.quantized} weights as {args.weights}, {r.kept} tensors kept")
+    print(f"safetensors bytes: {r.bytes_in:,} -> {r.bytes_out:,} ({r.bytes_out / max(r.bytes_in, 1):.2f}x)")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -132,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    quantize = sub.add_parser("quantize", help="write a checkpoint in DeepSeek's FP8 / FP4-experts layout")
+    quantize.add_argument("--model", required=True, help="full-precision Hugging Face model folder")
+    quantize.add_argument("--out", required=True, help="new folder for the quantized checkpoint")
+    quantize.add_argument("--weights", required=True, choices=["fp8", "fp4-experts"])
+    quantize.set_defaults(fn=cmd_quantize)
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
     from hybridserve.bench.args import add_bench_args
 

@@ -20,10 +20,13 @@ class PagedSequence:
         dtype: torch.dtype,
         block_tokens: int,
         num_blocks: int = 64,
+        keep_quantized: bool = True,
+        kv_cache_dtype: str = "auto",
         shard: ModelShard | None = None,
     ) -> None:
-        self.model = load_model(folder, dtype, "cpu", shard)
-        plan = build_plan(self.model.cache_specs(), block_tokens, 4, 512, num_blocks=num_blocks)
+        self.model = load_model(folder, dtype, "cpu", keep_quantized, shard=shard)
+        specs = self.model.cache_specs(kv_cache_dtype=kv_cache_dtype)
+        plan = build_plan(specs, block_tokens, 4, 512, num_blocks=num_blocks)
         self.pools = BlockPoolSet(plan, "cpu")
         self.coordinator = KvCacheCoordinator(plan, self.pools, enable_prefix_caching=False)
         self.block_tokens = block_tokens
