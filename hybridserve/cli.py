@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -66,7 +67,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
     print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
     print(plan.describe(request_tokens=length))
+    _print_rank_bytes(config, dtype, plan.total_bytes)
     return 0
+
+
+def _print_rank_bytes(config: EngineConfig, dtype: torch.dtype, cache_bytes: int) -> None:
+    """Weights and cache each data-parallel rank holds (every rank has a plan of its own)."""
+    from hybridserve.distributed.expert_parallel import weight_bytes_per_rank
+    from hybridserve.models.loader import build_meta_model
+
+    n = config.data_parallel_size
+    ranks = n if config.expert_parallel else 1
+    weights = weight_bytes_per_rank(build_meta_model(config.model, dtype), ranks)
+    mode = "expert parallel" if config.expert_parallel else "replicas"
+    print(f"data parallel: {n} rank{'s' if n > 1 else ''} ({mode})" if n > 1 else "single rank")
+    for rank in range(n):
+        w = weights[rank if config.expert_parallel else 0]
+        print(f"rank {rank}: weights {w:,} B  cache {cache_bytes:,} B  total {w + cache_bytes:,} B")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -90,6 +107,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # On CPU, leave a core to the HTTP event loop: measured here, 2 torch threads on 2 cores made
     # batch-1 decode 1.8x slower than 1 (benchmarks/README.md).
     _set_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+    if args.headless:
+        from hybridserve.engine.headless import run_headless
+
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return run_headless(EngineConfig.from_cli(args))
     return serve(args)
 
 

@@ -110,21 +110,71 @@ class EngineConfig:
         },
     )
 
+    data_parallel_size: int = field(
+        default=1,
+        metadata={"help": "engine-core ranks, each with its own scheduler and cache (DP attention)"},
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "split the routed experts over the data-parallel ranks (torch.distributed)"},
+    )
+    data_parallel_size_local: int | None = field(
+        default=None, metadata={"help": "ranks started on this host (default: all of them)"}
+    )
+    data_parallel_start_rank: int = field(default=0, metadata={"help": "first rank started on this host"})
+    data_parallel_address: str = field(
+        default="127.0.0.1",
+        metadata={"help": "head host: its rendezvous store and engine sockets listen here"},
+    )
+    data_parallel_rpc_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "head's first port: store at PORT, outputs at PORT+1, rank r's inputs at PORT+2+r "
+            "(default: free ports on one host)"
+        },
+    )
+    data_parallel_rank: int = field(default=0, metadata={"help": "this engine core's rank (set per process)"})
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        n, local, start = self.data_parallel_size, self.local_ranks, self.data_parallel_start_rank
+        if n < 1 or local < 1 or start < 0 or start + local > n:
+            raise ValueError(
+                f"data-parallel ranks {start}..{start + local - 1} do not fit a world of {n} "
+                "(check --data-parallel-size, --data-parallel-size-local, --data-parallel-start-rank)"
+            )
+        if local < n and self.data_parallel_rpc_port is None:
+            raise ValueError(
+                "ranks on several hosts need --data-parallel-rpc-port (and --data-parallel-address)"
+            )
+
+    @property
+    def local_ranks(self) -> int:
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the ranks run the MoE layers together (else they are independent replicas)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """This rank's device: with several local ranks on CUDA, rank r takes GPU r - start rank."""
+        name = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if name == "cuda" and self.data_parallel_size > 1:
+            return torch.device("cuda", self.data_parallel_rank - self.data_parallel_start_rank)
+        return torch.device(name)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         name = self.dtype if self.dtype != "auto" else (checkpoint_dtype or "float32")

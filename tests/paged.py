@@ -10,7 +10,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.layers.forward_batch import ForwardBatch
-from hybridserve.models.loader import load_model
+from hybridserve.models.loader import ModelShard, load_model
 
 
 class PagedSequence:
@@ -22,8 +22,9 @@ class PagedSequence:
         num_blocks: int = 64,
         keep_quantized: bool = True,
         kv_cache_dtype: str = "auto",
+        shard: ModelShard | None = None,
     ) -> None:
-        self.model = load_model(folder, dtype, "cpu", keep_quantized)
+        self.model = load_model(folder, dtype, "cpu", keep_quantized, shard=shard)
         specs = self.model.cache_specs(kv_cache_dtype=kv_cache_dtype)
         plan = build_plan(specs, block_tokens, 4, 512, num_blocks=num_blocks)
         self.pools = BlockPoolSet(plan, "cpu")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCoreOutput, EngineSnapshot
 from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.engine.dp_client import DPEngineCoreClient
 from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
 from hybridserve.engine.messages import (
     AddRequest,
@@ -49,7 +50,9 @@ class AsyncLLM:
         """Starts the engine-core process and waits until it has loaded the model (blocking)."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        self.client = EngineCoreClient(config)
+        self.client: EngineCoreClient | DPEngineCoreClient = (
+            DPEngineCoreClient(config) if config.data_parallel_size > 1 else EngineCoreClient(config)
+        )
         self.info = self.client.ready
         self.limits = self.info.limits
         self.stats: EngineSnapshot = self.info.snapshot  # as of the core's last message
@@ -103,6 +106,11 @@ class AsyncLLM:
     # ---- requests -----------------------------------------------------------------------------
     def request_ids(self) -> list[str]:
         return list(self._streams)
+
+    @property
+    def rank_stats(self) -> dict[int, EngineSnapshot]:
+        """Each data-parallel rank's own snapshot (one entry when there is one rank)."""
+        return getattr(self.client, "rank_stats", None) or {0: self.stats}
 
     @property
     def num_unfinished(self) -> int:

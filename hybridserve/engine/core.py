@@ -11,6 +11,8 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
+from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
+from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
@@ -71,6 +73,9 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     failed_steps: int = 0
+    dp_rank: int = 0
+    expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
+    collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
 
 
 class EngineCore:
@@ -79,8 +84,15 @@ class EngineCore:
         self.device = config.torch_device()
         raw = read_config(config.model)
         self.dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
+        self.group = self._join_group()
+        shard = ExpertShard(self.group) if self.group is not None else None
         self.model = load_model(
-            config.model, self.dtype, self.device, not config.dequantize_weights, config.native_fp8_matmul
+            config.model,
+            self.dtype,
+            self.device,
+            not config.dequantize_weights,
+            config.native_fp8_matmul,
+            shard=shard,
         )
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
@@ -104,7 +116,8 @@ class EngineCore:
         """On CUDA: compiled mHC and decode steps as CUDA graphs over bucketed static shapes, unless
         --enforce-eager. On CPU both stay off: measured, compile gains 12-30% of the mHC for tens of
         seconds of compiling, and padded decode buckets only add work (benchmarks/README.md)."""
-        accelerate = self.device.type == "cuda" and not self.config.enforce_eager
+        # Expert-parallel steps exchange host-sized splits every MoE layer: no CUDA graphs.
+        accelerate = self.device.type == "cuda" and not self.config.enforce_eager and self.group is None
         set_compile(accelerate)
         return ModelRunner(
             self.model,
@@ -117,6 +130,19 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
         )
+
+    def _join_group(self) -> ProcessGroup | None:
+        if not self.config.expert_parallel:
+            return None
+        port = self.config.data_parallel_rpc_port
+        assert port is not None, "the engine-core client picks the rendezvous port"
+        address = GroupAddress(self.config.data_parallel_address, port)
+        rank, size = self.config.data_parallel_rank, self.config.data_parallel_size
+        return init_group(address, rank, size, self.device)
+
+    def execute_dummy_batch(self) -> None:
+        """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
+        run_dummy_moe(self.model.layers, self.model.cfg.hidden_size, self.device, self.dtype)
 
     def _cache_salt(self) -> bytes:
         """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
@@ -274,7 +300,17 @@ class EngineCore:
             generation_tokens=self.stats.generation_tokens,
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
+            dp_rank=self.config.data_parallel_rank,
+            expert_tokens=self._expert_tokens(),
+            collective_s=sum(e.comm_s for e in parallel_experts(self.model)),
         )
+
+    def _expert_tokens(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for experts in parallel_experts(self.model):
+            for i, n in enumerate(experts.tokens_per_expert):
+                counts[experts.range.start + i] = counts.get(experts.range.start + i, 0) + n
+        return counts
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -69,7 +69,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
         load_plugins()
         core = EngineCore(config)
         outputs.send(encode(_ready(core)))
-        status = CoreLoop(core, inputs, outputs).run()
+        status = _core_loop(core, inputs, outputs).run()
     except BaseException as exc:  # the API process must hear why, then this process exits non-zero
         log.exception("the engine core failed")
         outputs.send(encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
@@ -78,6 +78,15 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
         inputs.close(linger=0)
         ctx.term()
     sys.exit(status)
+
+
+def _core_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> CoreLoop:
+    if core.group is None:
+        return CoreLoop(core, inputs, outputs)
+    from hybridserve.distributed.step_sync import StepSync
+    from hybridserve.engine.dp_core_loop import DataParallelCoreLoop  # it builds on CoreLoop
+
+    return DataParallelCoreLoop(core, inputs, outputs, StepSync(core.group))
 
 
 def _ready(core: EngineCore) -> EngineReady:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
+from hybridserve.engine.dp_engine import DataParallelEngine
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from hybridserve.tokenizer import Tokenizer, load_chat_template, load_tokenizer
@@ -26,9 +27,16 @@ class LLM:
         if model is not None:
             engine_args["model"] = model
         self.config = EngineConfig.from_kwargs(**engine_args)
-        self.engine = EngineCore(self.config)
+        self.engine: EngineCore | DataParallelEngine = (
+            DataParallelEngine(self.config) if self.config.data_parallel_size > 1 else EngineCore(self.config)
+        )
         self.tokenizer = load_tokenizer(self.config.model)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine-core ranks (data-parallel engines run in their own processes)."""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

@@ -36,7 +36,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | FinishRequests | UtilityCall | Shutdown
+class Wake(msgspec.Struct, tag="wake"):
+    """Sent to every other data-parallel rank with each message to one rank, so that all ranks see the
+    same number of messages and join the next step together (distributed/step_sync.py)."""
+
+
+CoreInput = AddRequest | FinishRequests | UtilityCall | Shutdown | Wake
 
 
 # ---- core -> API process -------------------------------------------------------------------------

@@ -374,13 +374,12 @@ class DeepseekV4Model(nn.Module):
     def expected_weights(self) -> set[str]:
         """Every key ``load_weights`` must fill for the model to be complete."""
         keys: set[str] = set()
-        for name, _ in list(self.named_parameters()) + list(self.named_buffers()):
+        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
+            # Experts held here: all, or one rank's range (distributed.ExpertShard).
             if name.endswith(("experts.gate_up", "experts.gate_up_scale")):
-                keys.update(
-                    _fill_key(name, e, w) for e in range(self.cfg.n_routed_experts) for w in ("w1", "w3")
-                )
+                keys.update(_fill_key(name, e, w) for e in range(p.shape[0]) for w in ("w1", "w3"))
             elif name.endswith(("experts.down", "experts.down_scale")):
-                keys.update(_fill_key(name, e, None) for e in range(self.cfg.n_routed_experts))
+                keys.update(_fill_key(name, e, None) for e in range(p.shape[0]))
             else:
                 keys.add(name)
         return keys

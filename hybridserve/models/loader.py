@@ -7,10 +7,11 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from hybridserve.layers.quantized_linear import QuantLinear
@@ -36,6 +37,16 @@ class CheckpointError(ValueError):
     pass
 
 
+class ModelShard(Protocol):
+    """What one rank of a parallel world holds of the model (e.g. distributed.ExpertShard)."""
+
+    def apply(self, model: nn.Module) -> None: ...
+
+    def weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], num_experts: int
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
 def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -49,13 +60,48 @@ def load_model(
     device: torch.device | str,
     keep_quantized: bool = True,
     native_fp8: bool = False,
+    shard: ModelShard | None = None,
 ) -> DeepseekV4Model:
     """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong.
 
     FP8 / FP4 weights of linears and routed experts stay quantized in memory (dequantised per layer at
     use) unless ``keep_quantized`` is False; other quantized tensors are dequantised here. With
-    ``native_fp8``, FP8 linears multiply natively where the device supports it (CUDA sm90+).
+    ``native_fp8``, FP8 linears multiply natively where the device supports it (CUDA sm90+). With
+    ``shard``, only this rank's part is built and read (quantized weights are then dequantised at load).
     """
+    model, cfg = _meta_model(folder, shard)
+    resident = _keep_quantized(model, Path(folder), dtype) if keep_quantized and shard is None else set()
+    model.cast_(dtype)
+    model.to_empty(device=device)
+    unknown: list[str] = []
+    tensors = _tensors(Path(folder), resident)
+    if shard is not None:
+        tensors = shard.weights(tensors, cfg.n_routed_experts)
+    filled = model.load_weights(tensors, unknown)
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
+        raise CheckpointError(f"{folder}: {len(unknown)} tensors the model does not have: {shown}")
+    missing = sorted(model.expected_weights() - filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
+    if native_fp8:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.enable_native_fp8()
+    return model.eval()
+
+
+def build_meta_model(
+    folder: str | Path, dtype: torch.dtype, shard: ModelShard | None = None
+) -> DeepseekV4Model:
+    """The model for ``folder`` (or one rank's part of it) with shapes and dtypes but no memory."""
+    model, _ = _meta_model(folder, shard)
+    model.cast_(dtype)
+    return model
+
+
+def _meta_model(folder: str | Path, shard: ModelShard | None) -> tuple[DeepseekV4Model, Any]:
     raw = read_config(folder)
     try:
         check_quantization_config(raw)
@@ -69,23 +115,9 @@ def load_model(
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
     with torch.device("meta"):
         model = model_cls(cfg)
-    resident = _keep_quantized(model, Path(folder), dtype) if keep_quantized else set()
-    model.cast_(dtype)
-    model.to_empty(device=device)
-    unknown: list[str] = []
-    filled = model.load_weights(_tensors(Path(folder), resident), unknown)
-    if unknown:
-        shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
-        raise CheckpointError(f"{folder}: {len(unknown)} tensors the model does not have: {shown}")
-    missing = sorted(model.expected_weights() - filled)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
-    if native_fp8:
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                module.enable_native_fp8()
-    return model.eval()
+        if shard is not None:
+            shard.apply(model)
+    return model, cfg
 
 
 def _mtp_layers_present(folder: Path) -> int:

@@ -37,6 +37,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests may finish after SIGTERM",
     )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this host's data-parallel engine-core ranks (no API); the head runs the API",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--num-threads",

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
+from hybridserve.engine.core import EngineSnapshot
 from hybridserve.engine.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -58,6 +59,37 @@ class _EngineCollector(Collector):
         yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
+        yield from _rank_metrics(llm.rank_stats)
+
+
+def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
+    """Per data-parallel rank: its requests and pools; per routed expert (expert parallel): rows it ran."""
+    running = GaugeMetricFamily(
+        "hybridserve_dp_rank_num_requests_running", "requests running", labels=["rank"]
+    )
+    waiting = GaugeMetricFamily(
+        "hybridserve_dp_rank_num_requests_waiting", "requests waiting", labels=["rank"]
+    )
+    used = GaugeMetricFamily(
+        "hybridserve_dp_rank_kv_blocks_used", "KV cache blocks in use", labels=["rank", "group"]
+    )
+    total = GaugeMetricFamily(
+        "hybridserve_dp_rank_kv_blocks_total", "usable KV cache blocks", labels=["rank", "group"]
+    )
+    experts = CounterMetricFamily(
+        "hybridserve_expert_tokens",
+        "token rows each routed expert ran, summed over layers",
+        labels=["expert"],
+    )
+    for rank, s in sorted(ranks.items()):
+        running.add_metric([str(rank)], s.num_running)
+        waiting.add_metric([str(rank)], s.num_waiting)
+        for name, pool in s.pools.items():
+            used.add_metric([str(rank), name], pool.used)
+            total.add_metric([str(rank), name], pool.total)
+        for expert, n in sorted(s.expert_tokens.items()):
+            experts.add_metric([str(expert)], n)
+    yield from (running, waiting, used, total, experts)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
