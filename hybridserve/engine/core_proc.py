@@ -39,6 +39,7 @@ log = logging.getLogger("hybridserve.engine")
 
 # Idle, the core wakes this often to notice that the API process is gone.
 _PARENT_CHECK_MS = 1000
+_HANDOFF_POLL_MS = 1
 PLUGINS_ENV = "HYBRIDSERVE_PLUGINS"
 
 
@@ -102,15 +103,17 @@ class CoreLoop:
         """Until Shutdown (-> 0) or the API process is gone (-> 1); engine failures raise."""
         while True:
             busy = self.core.has_unfinished_requests()
-            if not busy and not self.inputs.poll(_PARENT_CHECK_MS):
+            handoff = self.core.handoff_busy  # a KV handoff progresses between steps: poll it often
+            if not busy and not self.inputs.poll(_HANDOFF_POLL_MS if handoff else _PARENT_CHECK_MS):
                 if os.getppid() != self.parent:
                     log.error("the API process is gone; exiting")
                     return 1
-                continue
+                if not handoff:
+                    continue
             handled = self._drain()
             if handled is None:
                 return 0
-            step = self.core.step() if self.core.has_unfinished_requests() else []
+            step = self.core.step() if self.core.has_unfinished_requests() or self.core.handoff_busy else []
             if step or handled:
                 self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
 
@@ -138,7 +141,14 @@ class CoreLoop:
             self._call(message)
 
     def _add(self, message: AddRequest) -> None:
-        request = Request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt)
+        request = Request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.params,
+            prompt=message.prompt,
+            remote_decode=message.remote_decode,
+            remote_prefill=message.remote_prefill,
+        )
         try:
             self.core.add_request(request)
         except RequestRejected as exc:

@@ -10,6 +10,7 @@ from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs
+from hybridserve.server.disagg import prefill_answer
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
     ChatChoice,
@@ -105,7 +106,7 @@ async def create_chat_completion(
     top = body.top_logprobs or 0
     params = sampling_params(body, settings, max_tokens, top if body.logprobs else None)
     base = new_id("chatcmpl")
-    requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text])
+    requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text], body)
     if body.stream:
         return StreamingResponse(
             guarded(_stream(body, base, ids, requests, outputs, llm, top)), media_type="text/event-stream"
@@ -127,6 +128,8 @@ async def create_chat_completion(
     response = ChatCompletionResponse(
         id=base, model=settings.model_name, choices=choices, usage=usage([ids], finals, body.n)
     )
+    if requests[0].remote_decode:
+        response.kv_transfer_params = prefill_answer(finals)
     return JSONResponse(response.model_dump())
 
 

@@ -64,6 +64,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving (server/disagg.py)
 
     @field_validator("stop")
     @classmethod
@@ -164,6 +165,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -200,6 +202,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -221,6 +224,10 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class KvReleaseRequest(_Strict):
+    handles: list[str] = Field(max_length=4096)
 
 
 class ModelCard(BaseModel):
