@@ -69,6 +69,7 @@ class HandoffStats:
     expired: int = 0
     bytes_by_group: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    events: int = 0  # blocks held, pulled, released or received: the pools changed between steps
 
 
 # ---- control messages ----------------------------------------------------------------------------
@@ -163,6 +164,7 @@ class KvSender(_HandoffEnd):
     def hold(self, request_id: str, num_tokens: int) -> KvHandoff:
         """Keep ``request_id``'s blocks (its coordinator tables) for a decode worker to pull."""
         self.held[request_id] = _Held(num_tokens, time.monotonic() + self.timeout_s)
+        self.stats.events += 1
         return KvHandoff(request_id, self.control, self.store_address, num_tokens)
 
     def release(self, request_id: str) -> bool:
@@ -170,6 +172,7 @@ class KvSender(_HandoffEnd):
         if self.held.pop(request_id, None) is None:
             return False
         self.coordinator.release(request_id)
+        self.stats.events += 1
         return True
 
     @property
@@ -231,6 +234,7 @@ class KvSender(_HandoffEnd):
             )
         buffer = pack(self.coordinator.pools, self.coordinator.block_tables(message.handle), held.num_tokens)
         self.coordinator.release(message.handle)  # the buffer owns a copy; cached blocks stay evictable
+        self.stats.events += 1
         transfer = post_send(group, buffer, DECODE_RANK, message.tag)
         self.sending.append(_Send(message.handle, transfer, time.monotonic(), held.num_tokens))
         return PullReply(message.handle, True)
@@ -307,6 +311,11 @@ class KvReceiver(_HandoffEnd):
 
     def poll(self) -> list[tuple[str, str | None]]:
         """-> (request id, None when its blocks arrived, else why not) for every import that ended."""
+        ended = self._poll()
+        self.stats.events += len(ended)
+        return ended
+
+    def _poll(self) -> list[tuple[str, str | None]]:
         ended: list[tuple[str, str | None]] = []
         for address, peer in list(self.peers.items()):
             ended += self._replies(address, peer)

@@ -211,6 +211,11 @@ class EngineCore:
         """A KV handoff is under way (held blocks, queued or running transfers): keep polling."""
         return self.role is not None and self.role.busy
 
+    @property
+    def handoff_events(self) -> int:
+        """Changes the KV handoff made to the pools so far (a new snapshot is due when it grows)."""
+        return self.role.events if self.role is not None else 0
+
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. A failure inside the forward or the sampler fails only that step's requests

@@ -113,8 +113,9 @@ class CoreLoop:
             handled = self._drain()
             if handled is None:
                 return 0
+            events = self.core.handoff_events
             step = self.core.step() if self.core.has_unfinished_requests() or self.core.handoff_busy else []
-            if step or handled:
+            if step or handled or self.core.handoff_events != events:
                 self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
 
     def _drain(self) -> int | None:

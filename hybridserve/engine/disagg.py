@@ -42,6 +42,10 @@ class PrefillRole:
         return self.sender.release(request_id)
 
     @property
+    def events(self) -> int:
+        return self.sender.stats.events
+
+    @property
     def busy(self) -> bool:
         return self.sender.busy
 
@@ -88,6 +92,10 @@ class DecodeRole:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.importing)
+
+    @property
+    def events(self) -> int:
+        return self.receiver.stats.events
 
     def poll(self) -> list[tuple[str, str]]:
         """Start what fits, finish what arrived; -> (request id, why) of imports that failed."""
