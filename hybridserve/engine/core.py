@@ -11,7 +11,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.distributed.disagg import KvHandoff
+from hybridserve.distributed.disagg import HandoffStats, KvHandoff
 from hybridserve.distributed.kv_transfer_group import PlanFingerprint
 from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
@@ -70,6 +70,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     failed_steps: int = 0
+    handoff: HandoffStats | None = None  # disaggregated workers: KV blocks sent or received
 
 
 class EngineCore:
@@ -321,6 +322,7 @@ class EngineCore:
             generation_tokens=self.stats.generation_tokens,
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
+            handoff=self.role.stats if self.role is not None else None,
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.distributed.disagg import KvHandoff, KvReceiver, KvSender
+from hybridserve.distributed.disagg import HandoffStats, KvHandoff, KvReceiver, KvSender
 from hybridserve.distributed.kv_transfer_group import PlanFingerprint
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler
@@ -44,6 +44,10 @@ class PrefillRole:
     @property
     def events(self) -> int:
         return self.sender.stats.events
+
+    @property
+    def stats(self) -> HandoffStats:
+        return self.sender.stats
 
     @property
     def busy(self) -> bool:
@@ -97,6 +101,10 @@ class DecodeRole:
     def events(self) -> int:
         return self.receiver.stats.events
 
+    @property
+    def stats(self) -> HandoffStats:
+        return self.receiver.stats
+
     def poll(self) -> list[tuple[str, str]]:
         """Start what fits, finish what arrived; -> (request id, why) of imports that failed."""
         failed = self._start_waiting()
@@ -117,12 +125,12 @@ class DecodeRole:
         now = time.monotonic()
         while self.waiting:
             req = self.waiting[0].request
-            if self.waiting[0].deadline < now:
+            if not self._allocate(req):
+                if self.waiting[0].deadline >= now:
+                    break  # under memory pressure the queue waits, in order
                 self.waiting.popleft()
                 failed.append((req.request_id, self._starved(req)))
                 continue
-            if not self._allocate(req):
-                break  # under memory pressure the queue waits, in order
             self.waiting.popleft()
             handoff = req.remote_prefill.handoff  # type: ignore[union-attr]
             assert handoff is not None
@@ -138,7 +146,10 @@ class DecodeRole:
         if len(self.scheduler.running) + len(self.importing) >= self.max_num_seqs:
             return False
         n = req.remote_prefill.handoff.num_tokens  # type: ignore[union-attr]
-        return self.coordinator.allocate(req.request_id, n, n + 1)
+        if self.coordinator.allocate(req.request_id, n, n + 1):
+            return True
+        self.coordinator.release(req.request_id)  # a failed allocation leaves an empty table behind
+        return False
 
     def _starved(self, req: Request) -> str:
         return (

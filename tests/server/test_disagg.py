@@ -206,6 +206,10 @@ def test_greedy_through_the_router_equals_colocated(deployment: Deployment, serv
     for path, body in bodies[3:]:
         assert _streamed(_stream(router.url, path, body)) == _choices(_post(server.url, path, body).json())
     _wait_idle(deployment.workers())
+    for worker in (deployment.prefill[0], deployment.decode[0]):  # both ends count what moved, per group
+        m = worker.metrics()
+        assert m["hybridserve_kv_handoff_transfers_total"] >= len(bodies) - 1
+        assert len([k for k in m if k.startswith("hybridserve_kv_handoff_bytes_total{")]) == 5
 
 
 def test_seeded_sampling_equals_colocated(deployment: Deployment, server: Server) -> None:
