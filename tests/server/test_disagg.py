@@ -306,43 +306,60 @@ def test_a_prefill_worker_dying_mid_transfer_frees_the_decode_blocks(
     )
 
 
-def test_a_decode_worker_killed_mid_stream(deployment: Deployment, server: Server) -> None:
-    router = deployment.routers["1x2"]
+def _signal_mid_stream(deployment: Deployment, sig: signal.Signals) -> tuple[Server, list[str], float]:
+    """Stream a long completion through the 1x2 router, send ``sig`` to the decode worker serving it;
+    -> (that worker, the rest of the stream, seconds from the signal to the stream's end)."""
     body = {
-        "model": server.model,
+        "model": deployment.prefill[0].model,
         "prompt": "Northanger",
         "max_tokens": 400,
         "ignore_eos": True,
-        "stream": True,
     }
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT) as r:
+    url = f"{deployment.routers['1x2'].url}/v1/completions"
+    with httpx.stream("POST", url, json=dict(body, stream=True), headers=AUTH, timeout=TIMEOUT) as r:
         lines = (line for line in r.iter_lines() if line)
         next(lines)
         running = [d.metrics().get("hybridserve_num_requests_running", 0.0) for d in deployment.decode]
         victim = deployment.decode[running.index(max(running))]
-        victim.process.send_signal(signal.SIGKILL)
+        victim.process.send_signal(sig)
         start = time.monotonic()
         rest = list(lines)
-    assert time.monotonic() - start < 5
+    return victim, rest, time.monotonic() - start
+
+
+def _assert_failed_with_json_error(victim: Server, rest: list[str], seconds: float) -> None:
+    assert seconds < 5, "the client waited too long for the failed worker"
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and victim.url in error["message"]
+
+
+def _wait_worker_up(router: Router, worker: Server, up: bool) -> None:
+    line = f'hybridserve_router_worker_up{{role="decode",url="{worker.url}"}} {float(up)}'
+    deadline = time.monotonic() + 10
+    while line not in httpx.get(f"{router.url}/metrics").text:
+        assert time.monotonic() < deadline, f"the router did not mark {worker.url} {'up' if up else 'down'}"
+        time.sleep(0.05)
+
+
+def test_a_hung_decode_worker_is_marked_down_then_taken_back(deployment: Deployment, server: Server) -> None:
+    victim, rest, seconds = _signal_mid_stream(deployment, signal.SIGSTOP)
+    try:
+        _assert_failed_with_json_error(victim, rest, seconds)
+        _wait_worker_up(deployment.routers["1x2"], victim, False)
+    finally:
+        victim.process.send_signal(signal.SIGCONT)
+    _wait_worker_up(deployment.routers["1x2"], victim, True)
+    victim.wait_idle()  # the router dropped the stream: the worker aborted it and freed its blocks
+
+
+def test_a_decode_worker_killed_mid_stream(deployment: Deployment, server: Server) -> None:
+    router = deployment.routers["1x2"]
+    victim, rest, seconds = _signal_mid_stream(deployment, signal.SIGKILL)
+    _assert_failed_with_json_error(victim, rest, seconds)
     assert httpx.get(f"{router.url}/health").status_code == 200  # the router stays up, on the survivor
     done = {"model": server.model, "prompt": "Persuasion", "max_tokens": 6, "temperature": 0}
     for _ in range(3):
         _same(router, server, "/v1/completions", done)
-    survivors = [deployment.prefill[0], *[d for d in deployment.decode if d is not victim]]
-    _wait_idle(survivors)
-    victim.process.wait(timeout=10)
-    port = int(victim.url.rsplit(":", 1)[1])
-    back = wait_healthy(
-        spawn_server(victim.folder, "--disaggregation-mode", "decode", *ENGINE, port=port), timeout_s=180
-    )
-    deployment.decode[deployment.decode.index(victim)] = back
-    deadline = time.monotonic() + 10
-    while (
-        f'hybridserve_router_worker_up{{role="decode",url="{back.url}"}} 1.0'
-        not in httpx.get(f"{router.url}/metrics").text
-    ):
-        assert time.monotonic() < deadline, "the router did not take the worker back"
-        time.sleep(0.05)
+    _wait_idle([deployment.prefill[0], *[d for d in deployment.decode if d is not victim]])
+    assert victim.process.wait(timeout=10) != 0
