@@ -16,10 +16,13 @@ from hybridserve.distributed.kv_transfer_group import PlanFingerprint
 from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
+from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
 from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.structured import StructuredOutputs
+from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -39,6 +42,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
     kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
 @dataclass
@@ -55,6 +59,7 @@ class PoolUsage:
     used: int
     total: int
     cached: int
+    evicted: int = 0
 
 
 @dataclass
@@ -79,10 +84,14 @@ class EngineCore:
         self.device = config.torch_device()
         raw = read_config(config.model)
         self.dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(
+            config.model, self.dtype, self.device, not config.dequantize_weights, config.native_fp8_matmul
+        )
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
-        self.coordinator = KvCacheCoordinator(self.plan, self.pools, config.enable_prefix_caching)
+        self.coordinator = KvCacheCoordinator(
+            self.plan, self.pools, config.enable_prefix_caching, hash_salt=self._cache_salt()
+        )
         self.scheduler = Scheduler(
             self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
         )
@@ -90,8 +99,9 @@ class EngineCore:
         self.limits = RequestLimits(
             self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens()
         )
-        self.runner = self._build_runner()
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
+        self.structured = StructuredOutputs(config.model, self.model.cfg.vocab_size, self.eos_token_ids)
+        self.runner = self._build_runner()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.role = build_role(
@@ -117,7 +127,7 @@ class EngineCore:
             self.model,
             self.pools,
             self.coordinator,
-            Sampler(self.config.seed),
+            Sampler(self.config.seed, self.structured),
             self.device,
             decode_graphs=accelerate,
             max_num_seqs=self.config.max_num_seqs,
@@ -125,8 +135,18 @@ class EngineCore:
             enforce_eager=self.config.enforce_eager,
         )
 
+    def _cache_salt(self) -> bytes:
+        """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
+        return f"kv:{self.config.kv_cache_dtype}:{self.dtype}".encode()
+
     def _build_plan(self) -> CachePlan:
-        specs = self.model.cache_specs()
+        if self.config.kv_cache_dtype == "fp8" and (why := fp8_supported(self.device)) is not None:
+            raise ValueError(
+                f"--kv-cache-dtype fp8: {self.device} cannot store float8_e4m3fn tensors ({why}); serve "
+                "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
+                "per token)"
+            )
+        specs = self.model.cache_specs(kv_cache_dtype=self.config.kv_cache_dtype)
         block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
         return build_plan(
             specs,
@@ -150,6 +170,7 @@ class EngineCore:
             request.prompt_token_ids
         )
         request.eos_token_ids = self.eos_token_ids
+        self.structured.add_request(request)
         self.requests[request.request_id] = request
         if request.remote_prefill is not None:
             self._import(request)
@@ -186,6 +207,8 @@ class EngineCore:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use", param=None)
         self.limits.check(request.prompt_token_ids, request.params)
+        if request.params.structured_outputs is not None:
+            self.structured.compile(request.params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if it is unknown or already done."""
@@ -279,7 +302,7 @@ class EngineCore:
             req.finish(reason)
         elif reason is not None:
             self.finish_request(req.request_id, reason, stop_reason)
-        return EngineCoreOutput(
+        out = EngineCoreOutput(
             req.request_id,
             [res.token_id],
             logprobs,
@@ -288,6 +311,9 @@ class EngineCore:
             req.num_cached_tokens,
             kv_transfer=handoff,
         )
+        if len(req.output_token_ids) == 1:
+            out.prompt_logprobs = prompt_logprobs_of(req)
+        return out
 
     def _stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
         p = req.params
@@ -297,6 +323,8 @@ class EngineCore:
                 return FinishReason.STOP, None
             if token in p.stop_token_ids:
                 return FinishReason.STOP, token
+        if p.structured_outputs is not None and self.structured.is_terminated(req):
+            return FinishReason.STOP, None  # the grammar is complete (its stop token was ignore_eos'd)
         if n_out >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
             return FinishReason.LENGTH, None
         return None, None
@@ -310,7 +338,8 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         pools = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached) for n, p in self.pools.pools.items()
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridserve.engine.core import EngineCoreOutput
-from hybridserve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, SampleLogprobs
+from hybridserve.engine.request import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    Request,
+    RequestOutput,
+    SampleLogprobs,
+)
 from hybridserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -25,6 +32,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # as the engine reports it (the request object may live in another process)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def holdback(self) -> int:
@@ -75,6 +83,10 @@ class OutputProcessor:
     def _update(self, state: RequestState, out: EngineCoreOutput) -> str | None:
         state.token_ids += out.new_token_ids
         state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            for entry in out.prompt_logprobs:
+                self._name_tokens(entry or {})
+            state.prompt_logprobs = out.prompt_logprobs
         if out.new_logprobs is not None and state.logprobs is not None:
             for tok, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
                 self._name_tokens(entry)
@@ -133,4 +145,5 @@ class OutputProcessor:
             state.num_cached_tokens,
             list(new_ids),
             delta,
+            state.prompt_logprobs,
         )
