@@ -242,6 +242,26 @@ class Router:
 
         return _passthrough((await self._with_worker(self.prefill, get))[1])
 
+    async def abort(self, request_id: str, raw: HTTPRequest) -> Response:
+        """Forward an abort to every worker that is up: the id names a request on one of them."""
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        workers = [w for pool in (self.decode, self.prefill) for w in pool.workers if w.up]
+
+        async def one(worker: Worker) -> httpx.Response | None:
+            url = f"{worker.url}/v1/requests/{request_id}/abort"
+            with contextlib.suppress(httpx.HTTPError):
+                return await self.client.post(url, headers=headers, timeout=self.settings.health_timeout_s)
+            return None
+
+        answers = [r for r in await asyncio.gather(*(one(w) for w in workers)) if r is not None]
+        found = next((r for r in answers if r.status_code == 200), None)
+        if found is not None:
+            return _passthrough(found)
+        refused = next((r for r in answers if r.status_code in (401, 415)), None)
+        if refused is not None:
+            return _passthrough(refused)
+        return error_response(404, f"no running request {request_id!r}", code="request_not_found")
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -301,6 +321,10 @@ def _routes(app: FastAPI, router: Router) -> None:
     @app.get("/v1/models")
     async def models(raw: HTTPRequest) -> Response:
         return await router.models(raw)
+
+    @app.post("/v1/requests/{request_id}/abort")
+    async def abort(request_id: str, raw: HTTPRequest) -> Response:
+        return await router.abort(request_id, raw)
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, _generation(router, path), methods=["POST"])

@@ -118,7 +118,7 @@ def deployment(tiny_checkpoint: Callable[[str], Path]) -> Iterator[Deployment]:
     routers: dict[str, Router] = {}
     try:
         for s in [*prefill, *decode]:
-            wait_healthy(s, timeout_s=180)  # several model loads at once on a small machine
+            wait_healthy(s, timeout_s=420)  # several model loads at once on a small, shared machine
         routers = {
             shape: (_router_process if shape == "1x1" else _router_thread)(*w) for shape, w in shapes.items()
         }
@@ -268,6 +268,22 @@ def test_a_client_disconnect_frees_blocks_on_both_sides(deployment: Deployment, 
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
     _wait_idle(deployment.workers())
+
+
+def test_an_abort_through_the_router_frees_blocks_on_both_sides(
+    deployment: Deployment, server: Server
+) -> None:
+    router = deployment.routers["1x1"]
+    body = {"model": server.model, "prompt": "Sense", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        request_id = json.loads(next(lines).removeprefix("data: "))["id"]
+        aborted = httpx.post(f"{router.url}/v1/requests/{request_id}/abort", headers=AUTH, timeout=TIMEOUT)
+        assert aborted.status_code == 200 and aborted.json()["aborted"] == 1, aborted.text
+        assert json.loads(list(lines)[-1].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    _wait_idle(deployment.workers())
+    missing = httpx.post(f"{router.url}/v1/requests/{request_id}/abort", headers=AUTH, timeout=TIMEOUT)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
 def test_a_prefill_worker_dying_mid_transfer_frees_the_decode_blocks(
