@@ -26,7 +26,9 @@ def device_supported(device: torch.device) -> bool:
 
 
 def shape_supported(out_features: int, in_features: int, blocks: tuple[int, int]) -> bool:
-    return blocks == (BLOCK, BLOCK) and out_features % BLOCK == 0 and in_features % BLOCK == 0
+    """Whole 128-blocks; K in whole groups of four blocks, as cuBLAS lays out a 128x128 scale grid (so
+    it needs no padding; DeepSeek's dimensions all qualify)."""
+    return blocks == (BLOCK, BLOCK) and out_features % BLOCK == 0 and in_features % (4 * BLOCK) == 0
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +51,16 @@ def emulated(
 def native(
     xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``scaled_mm`` with blockwise 1x128 x 128x128 scales (outer-dimension-major, as cuBLAS wants)."""
+    """``scaled_mm`` of x [M, K] and weight.T [K, N] with blockwise scales laid out as torch's own samples
+    lay them: x's [M, K/128] stored K-block-major, the weight's [K/128, N/128] as the transpose of the
+    contiguous [N/128, K/128] grid."""
     recipe = F.ScalingType
     return F.scaled_mm(
         xq,
         weight.T,
         x_scale.T.contiguous().T,
         recipe.BlockWise1x128,
-        w_scale.T.contiguous().T,
+        w_scale.contiguous().T,
         recipe.BlockWise128x128,
         output_dtype=dtype,
     )

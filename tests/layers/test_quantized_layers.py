@@ -129,7 +129,7 @@ def test_encoders_represent_their_own_output_exactly() -> None:
 # --- native FP8 matmul (CUDA sm90+), DeepSeek's 1x128 activation / 128x128 weight recipe ---
 
 
-def _fp8_layer(out: int = 256, n_in: int = 384) -> QuantLinear:
+def _fp8_layer(out: int = 256, n_in: int = 512) -> QuantLinear:
     q, s = quantize_fp8(torch.randn(out, n_in) / n_in**0.5)
     layer = QuantLinear(n_in, out, FP8, q.dtype, tuple(s.shape), s.dtype)
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_activation_quantization_uses_power_of_two_scales_per_128() -> None:
 
 def test_emulated_fp8_product_is_close_to_the_dequantised_one() -> None:
     layer = _fp8_layer()
-    x = torch.randn(5, 384)
+    x = torch.randn(5, 512)
     got = fp8_matmul.emulated(*fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale))
     dense = F.linear(x, layer.dense_weight(torch.float32))
     assert (got - dense).abs().max() <= 0.05 * dense.abs().max()  # e4m3 activations: 3 mantissa bits
@@ -157,7 +157,7 @@ def test_emulated_fp8_product_is_close_to_the_dequantised_one() -> None:
 
 def test_native_fp8_falls_back_to_dequantising_where_torch_refuses(caplog: pytest.LogCaptureFixture) -> None:
     layer = _fp8_layer()
-    x = torch.randn(4, 384).bfloat16()
+    x = torch.randn(4, 512).bfloat16()
     if not fp8_matmul.device_supported(x.device):
         assert not layer.enable_native_fp8() and layer.native_fp8 == "off"
         layer.native_fp8 = "unchecked"  # as if the device were supported: torch refuses blockwise on CPU
@@ -173,7 +173,7 @@ def test_native_fp8_falls_back_to_dequantising_where_torch_refuses(caplog: pytes
 def test_native_fp8_matmul_agrees_with_its_float32_arithmetic_on_cuda() -> None:
     layer = _fp8_layer().to("cuda")
     assert layer.enable_native_fp8()
-    x = torch.randn(7, 384, device="cuda").bfloat16()
+    x = torch.randn(7, 512, device="cuda").bfloat16()
     first, again = layer(x), layer(x)
     assert layer.native_fp8 == "on" and torch.equal(first, again)
     ref = fp8_matmul.emulated(*fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale))
