@@ -1,4 +1,4 @@
-"""Command line: ``hybridserve serve | generate | plan | quantize | bench``."""
+"""Command line: ``hybridserve serve | router | generate | plan | quantize | bench``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from hybridserve.server.router_launch import run_router
+
+    return run_router(args)
+
+
 def _set_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
@@ -141,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    router = sub.add_parser("router", help="route the OpenAI API to prefill and decode workers")
+    from hybridserve.server.router_launch import add_router_args
+
+    add_router_args(router)
+    router.set_defaults(fn=cmd_router)
     quantize = sub.add_parser("quantize", help="write a checkpoint in DeepSeek's FP8 / FP4-experts layout")
     quantize.add_argument("--model", required=True, help="full-precision Hugging Face model folder")
     quantize.add_argument("--out", required=True, help="new folder for the quantized checkpoint")

@@ -134,14 +134,35 @@ class EngineConfig:
         },
     )
     data_parallel_rank: int = field(default=0, metadata={"help": "this engine core's rank (set per process)"})
+    disaggregation_mode: str | None = field(
+        default=None,
+        metadata={"help": "prefill or decode: this server is one side of a disaggregated deployment"},
+    )
+    disaggregation_bootstrap_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address this worker's KV handoff binds and announces (reachable by its peers)"},
+    )
+    disaggregation_bootstrap_port: int = field(
+        default=0, metadata={"help": "prefill worker's KV rendezvous (TCPStore) port (0: a free one)"}
+    )
+    kv_transfer_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a handoff may wait: held blocks, queued imports, transfers"},
+    )
 
     def __post_init__(self) -> None:
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(
+                f"--disaggregation-mode must be prefill or decode, not {self.disaggregation_mode!r}"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
+        if self.disaggregation_mode is not None and self.data_parallel_size > 1:
+            raise ValueError("--disaggregation-mode runs one engine-core rank (--data-parallel-size 1)")
 
     def _check_data_parallel(self) -> None:
         n, local, start = self.data_parallel_size, self.local_ranks, self.data_parallel_start_rank

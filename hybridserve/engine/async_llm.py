@@ -150,7 +150,14 @@ class AsyncLLM:
         finished = False
         try:
             self.client.send(
-                AddRequest(request.request_id, request.prompt_token_ids, request.params, request.prompt)
+                AddRequest(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    request.prompt,
+                    request.remote_decode,
+                    request.remote_prefill,
+                )
             )
             yield None
             while not finished:
@@ -189,6 +196,10 @@ class AsyncLLM:
         if request_ids and self.errored is None:
             with contextlib.suppress(EngineDeadError):  # a core that is gone holds no blocks to free
                 self.client.send(FinishRequests(request_ids, reason, stop))
+
+    def release_handoffs(self, request_ids: list[str]) -> None:
+        """Prefill worker: free the blocks of handed-off requests no decode worker will pull."""
+        self._finish(request_ids, FinishReason.ABORT)
 
     async def _call(self, method: str) -> None:
         if self.errored is not None:
@@ -236,6 +247,7 @@ class AsyncLLM:
                 self.processor.abort_request(failed.request_id)
                 self._fail(failed.request_id, RequestFailedError(failed.error))
         results, stopped = self.processor.process([o for o in outputs if o.error is None])
+        handoffs = {o.request_id: o.kv_transfer for o in outputs if o.kv_transfer is not None}
         for request_id, stop in stopped:
             self._finish([request_id], FinishReason.STOP, stop)
         for out in results:
@@ -246,6 +258,7 @@ class AsyncLLM:
                 elif timing.last_token is not None:
                     timing.token_gaps.append(now - timing.last_token)
                 timing.last_token = now
+            out.kv_transfer = handoffs.get(out.request_id)
             self._deliver(out)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:

@@ -11,8 +11,11 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
+from hybridserve.distributed.disagg import HandoffStats, KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
+from hybridserve.distributed.kv_transfer_group import PlanFingerprint
+from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
@@ -40,6 +43,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
+    kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
@@ -76,6 +80,7 @@ class EngineSnapshot:
     dp_rank: int = 0
     expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
     collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
+    handoff: HandoffStats | None = None  # disaggregated workers: KV blocks sent or received
 
 
 class EngineCore:
@@ -111,6 +116,18 @@ class EngineCore:
         self.runner = self._build_runner()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.role = build_role(
+            config.disaggregation_mode,
+            self.coordinator,
+            self.scheduler,
+            lambda: PlanFingerprint.of(self.plan, config.model, self.dtype),
+            self.device,
+            config.disaggregation_bootstrap_host,
+            config.disaggregation_bootstrap_port,
+            config.kv_transfer_timeout,
+            config.max_num_seqs,
+        )
+        self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
 
     def _build_runner(self) -> ModelRunner:
         """On CUDA: compiled mHC and decode steps as CUDA graphs over bucketed static shapes, unless
@@ -181,7 +198,35 @@ class EngineCore:
         request.eos_token_ids = self.eos_token_ids
         self.structured.add_request(request)
         self.requests[request.request_id] = request
-        self.scheduler.add(request)
+        if request.remote_prefill is not None:
+            self._import(request)
+        else:
+            self.scheduler.add(request)
+
+    def _import(self, req: Request) -> None:
+        """Decode worker: emit the first token the prefill worker sampled, then pull its blocks."""
+        remote = req.remote_prefill
+        assert remote is not None
+        if not isinstance(self.role, DecodeRole) and remote.handoff is not None:
+            del self.requests[req.request_id]
+            raise RequestRejected(
+                "this server is not a decode worker (--disaggregation-mode decode)", param=None
+            )
+        req.num_cached_tokens = remote.num_cached_tokens
+        req.output_token_ids.append(remote.first_token)
+        reason, stop = remote.finish_reason, remote.stop_reason
+        if reason is None:
+            reason, stop = self._stop(req, remote.first_token)
+        logprobs = [remote.first_logprobs] if remote.first_logprobs is not None else None
+        self._early.append(
+            EngineCoreOutput(
+                req.request_id, [remote.first_token], logprobs, reason, stop, req.num_cached_tokens
+            )
+        )
+        if reason is not None or remote.handoff is None:
+            self.finish_request(req.request_id, reason or FinishReason.STOP, stop)
+        elif isinstance(self.role, DecodeRole):
+            self.role.add(req)
 
     def validate(self, request: Request) -> None:
         """Raise RequestRejected if ``request`` can never be served as asked."""
@@ -200,29 +245,42 @@ class EngineCore:
     ) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return isinstance(self.role, PrefillRole) and self.role.release(request_id)
         req.finish(reason, stop_reason)
+        if isinstance(self.role, DecodeRole):
+            self.role.cancel(request_id)
         self.scheduler.finish(req)
         self._count_finish(reason)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._early)
+
+    @property
+    def handoff_busy(self) -> bool:
+        """A KV handoff is under way (held blocks, queued or running transfers): keep polling."""
+        return self.role is not None and self.role.busy
+
+    @property
+    def handoff_events(self) -> int:
+        """Changes the KV handoff made to the pools so far (a new snapshot is due when it grows)."""
+        return self.role.events if self.role is not None else 0
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. A failure inside the forward or the sampler fails only that step's requests
         (finish reason ERROR, blocks freed); EngineDeadError when the engine itself cannot go on."""
+        early = self._between_steps()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return early
         self.stats.steps += 1
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
             return self._fail_step(out, exc)
         self.stats.consecutive_failures = 0
-        outputs: list[EngineCoreOutput] = []
+        outputs = early
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.end
@@ -230,6 +288,14 @@ class EngineCore:
             if s.samples:
                 outputs.append(self._append_token(req, next(results)))
         return outputs
+
+    def _between_steps(self) -> list[EngineCoreOutput]:
+        """Outputs made since the last step, and the KV handoff's progress (failed imports end here)."""
+        early, self._early = self._early, []
+        for request_id, error in self.role.poll() if self.role is not None else []:
+            if self.finish_request(request_id, FinishReason.ERROR):
+                early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
+        return early
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         log.exception("an engine step failed; failing its %d requests", len(out.scheduled))
@@ -255,10 +321,21 @@ class EngineCore:
         self.stats.generation_tokens += 1
         logprobs = [res.top] if res.top is not None else None
         reason, stop_reason = self._stop(req, res.token_id)
-        if reason is not None:
+        handoff = None
+        if reason is None and req.remote_decode and isinstance(self.role, PrefillRole):
+            del self.requests[req.request_id]
+            handoff, reason = self.role.hand_off(req), FinishReason.LENGTH
+            req.finish(reason)
+        elif reason is not None:
             self.finish_request(req.request_id, reason, stop_reason)
         out = EngineCoreOutput(
-            req.request_id, [res.token_id], logprobs, reason, stop_reason, req.num_cached_tokens
+            req.request_id,
+            [res.token_id],
+            logprobs,
+            reason,
+            stop_reason,
+            req.num_cached_tokens,
+            kv_transfer=handoff,
         )
         if len(req.output_token_ids) == 1:
             out.prompt_logprobs = prompt_logprobs_of(req)
@@ -303,6 +380,7 @@ class EngineCore:
             dp_rank=self.config.data_parallel_rank,
             expert_tokens=self._expert_tokens(),
             collective_s=sum(e.comm_s for e in parallel_experts(self.model)),
+            handoff=self.role.stats if self.role is not None else None,
         )
 
     def _expert_tokens(self) -> dict[int, int]:

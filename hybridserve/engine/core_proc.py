@@ -39,6 +39,7 @@ log = logging.getLogger("hybridserve.engine")
 
 # Idle, the core wakes this often to notice that the API process is gone.
 _PARENT_CHECK_MS = 1000
+_HANDOFF_POLL_MS = 1
 PLUGINS_ENV = "HYBRIDSERVE_PLUGINS"
 
 
@@ -111,16 +112,19 @@ class CoreLoop:
         """Until Shutdown (-> 0) or the API process is gone (-> 1); engine failures raise."""
         while True:
             busy = self.core.has_unfinished_requests()
-            if not busy and not self.inputs.poll(_PARENT_CHECK_MS):
+            handoff = self.core.handoff_busy  # a KV handoff progresses between steps: poll it often
+            if not busy and not self.inputs.poll(_HANDOFF_POLL_MS if handoff else _PARENT_CHECK_MS):
                 if os.getppid() != self.parent:
                     log.error("the API process is gone; exiting")
                     return 1
-                continue
+                if not handoff:
+                    continue
             handled = self._drain()
             if handled is None:
                 return 0
-            step = self.core.step() if self.core.has_unfinished_requests() else []
-            if step or handled:
+            events = self.core.handoff_events
+            step = self.core.step() if self.core.has_unfinished_requests() or self.core.handoff_busy else []
+            if step or handled or self.core.handoff_events != events:
                 self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
 
     def _drain(self) -> int | None:
@@ -147,7 +151,14 @@ class CoreLoop:
             self._call(message)
 
     def _add(self, message: AddRequest) -> None:
-        request = Request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt)
+        request = Request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.params,
+            prompt=message.prompt,
+            remote_decode=message.remote_decode,
+            remote_prefill=message.remote_prefill,
+        )
         try:
             self.core.add_request(request)
         except RequestRejected as exc:

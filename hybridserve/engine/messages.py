@@ -8,7 +8,7 @@ import msgspec
 
 from hybridserve.engine.core import EngineCoreOutput, EngineSnapshot
 from hybridserve.engine.limits import RequestLimits
-from hybridserve.engine.request import FinishReason, SamplingParams
+from hybridserve.engine.request import FinishReason, RemotePrefill, SamplingParams
 
 
 # ---- API process -> core -------------------------------------------------------------------------
@@ -17,6 +17,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):

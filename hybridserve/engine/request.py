@@ -11,6 +11,8 @@ from typing import Any, Self, SupportsIndex
 
 import torch
 
+from hybridserve.distributed.disagg import KvHandoff
+
 
 class FinishReason(StrEnum):
     STOP = "stop"
@@ -155,6 +157,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer: KvHandoff | None = None  # prefill worker: where this request's blocks wait
 
 
 class OutputTokens(list[int]):
@@ -230,6 +233,18 @@ for _name in ("insert", "remove", "clear", "sort", "reverse", "__setitem__", "__
 
 
 @dataclass
+class RemotePrefill:
+    """What a decode worker gets from the prefill worker that ran a request's prompt."""
+
+    first_token: int
+    first_logprobs: dict[int, Logprob] | None = None
+    num_cached_tokens: int = 0
+    handoff: KvHandoff | None = None  # None: the first token finished the request, nothing to pull
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -246,6 +261,8 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    remote_decode: bool = False  # prefill worker: hand the blocks off after the first token
+    remote_prefill: RemotePrefill | None = None  # decode worker: the prompt ran elsewhere
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # position p: token p + 1
 
     def __post_init__(self) -> None:

@@ -243,6 +243,15 @@ class Scheduler:
             if reserve is not None:
                 reserve.add(req)
 
+    def detach(self, req: Request) -> None:
+        """Drop a running request but keep its blocks: a KV handoff takes them over."""
+        self.running.remove(req)
+
+    def attach(self, req: Request) -> None:
+        """Run a request whose blocks were filled elsewhere (a KV handoff) from its computed tokens."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def finish(self, req: Request) -> None:
         """Drop a finished or aborted request and return its blocks."""
         if req in self.running:

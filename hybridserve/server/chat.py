@@ -13,6 +13,7 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, SamplingParams
 from hybridserve.server.constraints import checked
+from hybridserve.server.disagg import prefill_answer
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
     ChatChoice,
@@ -143,7 +144,7 @@ async def create_chat_completion(
         body, sampling_params(body, settings, max_tokens, top if body.logprobs else None)
     )
     base = new_id("chatcmpl")
-    requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text])
+    requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text], body)
     if body.stream:
         return StreamingResponse(
             guarded(_stream(body, base, ids, requests, outputs, llm, top)), media_type="text/event-stream"
@@ -171,6 +172,8 @@ async def create_chat_completion(
         usage=usage([ids], finals, body.n),
         prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs) if finals else None,
     )
+    if requests[0].remote_decode:
+        response.kv_transfer_params = prefill_answer(finals)
     return JSONResponse(response.model_dump())
 
 

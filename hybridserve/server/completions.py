@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import RequestOutput, SampleLogprobs
+from hybridserve.server.disagg import prefill_answer
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
     CompletionChoice,
@@ -132,7 +133,7 @@ async def create_completion(
     if body.echo and body.logprobs is not None and not body.stream:  # the echoed prompt gets logprobs too
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, body.logprobs))
     base = new_id("cmpl")
-    requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts)
+    requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts, body)
     if body.stream:
         return StreamingResponse(
             guarded(_stream(body, base, prompts, texts, requests, outputs, llm)),
@@ -164,6 +165,8 @@ async def create_completion(
     response = CompletionResponse(
         id=base, model=settings.model_name, choices=choices, usage=usage(prompts, finals, body.n)
     )
+    if requests[0].remote_decode:
+        response.kv_transfer_params = prefill_answer(finals)
     return JSONResponse(response.model_dump())
 
 

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridserve.distributed.disagg import HandoffStats
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
 from hybridserve.engine.core import EngineSnapshot
 from hybridserve.engine.request import RequestOutput
@@ -57,6 +58,8 @@ class _EngineCollector(Collector):
         )
         yield _counter("hybridserve_engine_steps", "engine steps run", stats.steps)
         yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
+        if stats.handoff is not None:
+            yield from _handoff_metrics(stats.handoff)
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
         yield from _rank_metrics(llm.rank_stats)
@@ -90,6 +93,18 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
         for expert, n in sorted(s.expert_tokens.items()):
             experts.add_metric([str(expert)], n)
     yield from (running, waiting, used, total, experts)
+
+
+def _handoff_metrics(h: HandoffStats) -> Iterator[Metric]:
+    """KV handoffs this worker sent (prefill) or received (decode), by cache group."""
+    yield _counter("hybridserve_kv_handoff_transfers", "KV handoffs completed", h.transfers)
+    yield _counter("hybridserve_kv_handoff_failures", "KV handoffs that failed", h.failed)
+    yield _counter("hybridserve_kv_handoff_expired", "held blocks no decode worker pulled in time", h.expired)
+    yield _counter("hybridserve_kv_handoff_seconds", "pull to completion, summed over handoffs", h.seconds)
+    moved = CounterMetricFamily("hybridserve_kv_handoff_bytes", "KV bytes moved", labels=["group"])
+    for name, n in h.bytes_by_group.items():
+        moved.add_metric([name], n)
+    yield moved
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -30,6 +30,7 @@ from hybridserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    KvReleaseRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -229,6 +230,13 @@ def _routes(app: FastAPI, state: AppState) -> None:
         if not aborted:
             return error_response(404, f"no running request {request_id!r}", code="request_not_found")
         return JSONResponse({"id": request_id, "aborted": len(aborted)})
+
+    @app.post("/v1/kv/release", dependencies=guarded, responses=responses(400, 401, 415, 503))
+    async def release_kv(body: KvReleaseRequest) -> JSONResponse:
+        """Prefill worker: free handed-off blocks that no decode worker will pull (the router calls this
+        when a request ends before its decode worker pulled; unknown handles are ignored)."""
+        state.engine().release_handoffs(body.handles)
+        return JSONResponse({"released": len(body.handles)})
 
     @app.post("/v1/cache/reset", dependencies=guarded, responses=responses(401, 415, 503))
     async def reset_cache() -> JSONResponse:

@@ -104,6 +104,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving (server/disagg.py)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS
     )
@@ -304,6 +305,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -352,6 +354,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
@@ -387,6 +390,10 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class KvReleaseRequest(_Strict):
+    handles: list[str] = Field(max_length=4096)
 
 
 class ModelCard(BaseModel):

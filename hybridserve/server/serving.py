@@ -16,6 +16,7 @@ from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
 from hybridserve.server.constraints import structured_outputs
+from hybridserve.server.disagg import apply_kv_transfer
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import PromptLogprob, PromptTokensDetails, Usage, _SamplingFields
 from hybridserve.server.streams import merge, unless_disconnected
@@ -179,10 +180,13 @@ async def start(
     params: SamplingParams,
     n: int,
     texts: list[str | None],
+    body: _SamplingFields | None = None,
 ) -> tuple[list[Request], AsyncIterator[tuple[int, RequestOutput]]]:
     """Fan out, admit (400 / 429) and queue every request, with no await between the admission check
     and the queueing that could let another handler in; -> (requests, their merged outputs)."""
     requests = fan_out(base_id, prompts, params, n, texts)
+    if body is not None:
+        apply_kv_transfer(requests, body.kv_transfer_params, body.stream)
     _admit(llm, settings, requests)
     return requests, merge([await llm.submit(r) for r in requests])
 

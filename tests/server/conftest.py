@@ -18,6 +18,7 @@ import pytest
 from hybridserve.bench.server_process import parse_metrics
 
 API_KEY = "test-key"
+REFERENCE_ENGINE = ("--api-key", API_KEY, "--max-num-seqs", "8", "--max-num-batched-tokens", "64")
 
 
 @dataclass
@@ -50,7 +51,12 @@ def free_port() -> int:
 
 
 def start_server(folder: Path, *extra: str, plugins: str = "") -> Server:
-    port = free_port()
+    return wait_healthy(spawn_server(folder, *extra, plugins=plugins))
+
+
+def spawn_server(folder: Path, *extra: str, plugins: str = "", port: int | None = None) -> Server:
+    """Start a server process (``wait_healthy`` waits for it): start several, then wait for them all."""
+    port = port or free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -70,18 +76,27 @@ def start_server(folder: Path, *extra: str, plugins: str = "") -> Server:
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDSERVE_PLUGINS=plugins)
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # a loaded 2-core machine can take a minute to import and load
+    return Server(f"http://127.0.0.1:{port}", folder.name, folder, process)
+
+
+def wait_healthy(server: Server, timeout_s: float = 180) -> Server:
+    process = server.process
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited: {process.stdout.read() if process.stdout else ''}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return Server(url, folder.name, folder, process)
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    process.kill()
+    process.terminate()  # not kill: the server must stop its engine-core process
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
     raise RuntimeError("server did not become healthy")
 
 
@@ -99,12 +114,7 @@ def stop_server(server: Server, grace: float = 20.0) -> int:
 def server(tiny_checkpoint: Callable[[str], Path]) -> Iterator[Server]:
     s = start_server(
         tiny_checkpoint("mixed"),
-        "--api-key",
-        API_KEY,
-        "--max-num-seqs",
-        "8",
-        "--max-num-batched-tokens",
-        "64",
+        *REFERENCE_ENGINE,
         "--max-queue",
         "24",
         "--max-body-bytes",

@@ -1,0 +1,83 @@
+"""The decode role's queue: imports allocate in every group all or nothing, wait in order under memory
+pressure, start when blocks free up, fail (freeing nothing twice) past the timeout, and cancel cleanly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.plan import build_plan
+from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.distributed.disagg import KvHandoff
+from hybridserve.engine.disagg import DecodeRole
+from hybridserve.engine.request import RemotePrefill, Request, SamplingParams
+from hybridserve.engine.scheduler import Scheduler
+from tests.cache.helpers import toy_specs
+
+BLOCK = 8
+
+
+@dataclass
+class FakeReceiver:
+    """Stands in for KvReceiver: records pulls; the test decides when they end."""
+
+    timeout_s: float = 30.0
+    started: list[str] = field(default_factory=list)
+    ended: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def start(self, request_id: str, handoff: KvHandoff) -> None:
+        self.started.append(request_id)
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def cancel(self, request_id: str) -> bool:
+        return True
+
+
+def _setup(num_blocks: int, timeout_s: float = 30.0) -> tuple[DecodeRole, FakeReceiver, KvCacheCoordinator]:
+    plan = build_plan(toy_specs(), BLOCK, 8, 64, num_blocks=num_blocks)
+    coordinator = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"))
+    receiver = FakeReceiver(timeout_s)
+    role = DecodeRole(receiver, Scheduler(coordinator, 8, 64), coordinator, 8)  # type: ignore[arg-type]
+    return role, receiver, coordinator
+
+
+def _imported(rid: str, num_tokens: int) -> Request:
+    handoff = KvHandoff(rid, "tcp://127.0.0.1:1", "127.0.0.1:2", num_tokens)
+    req = Request(
+        rid,
+        list(range(num_tokens)),
+        SamplingParams(temperature=0),
+        remote_prefill=RemotePrefill(5, handoff=handoff),
+    )
+    req.output_token_ids.append(5)
+    return req
+
+
+def test_imports_wait_in_order_under_memory_pressure_then_run() -> None:
+    role, receiver, coordinator = _setup(num_blocks=6)  # 40 tokens of history: one request at a time
+    a, b, c = _imported("a", 30), _imported("b", 30), _imported("c", 3)
+    for r in (a, b, c):
+        role.add(r)
+    assert role.poll() == [] and receiver.started == ["a"]  # b does not fit; c waits behind it (FIFO)
+    assert not coordinator.has_request("b") and not coordinator.has_request("c")
+    receiver.ended.append(("a", None))
+    role.poll()
+    assert role.scheduler.running == [a] and a.num_computed_tokens == 30
+    role.scheduler.finish(a)  # a finished decoding: its blocks come back
+    role.poll()
+    assert receiver.started == ["a", "b", "c"]
+    coordinator.pools.check_integrity()
+
+
+def test_an_import_that_never_fits_fails_past_the_timeout_and_a_cancel_frees_its_blocks() -> None:
+    role, _, coordinator = _setup(num_blocks=6, timeout_s=0.0)
+    role.add(_imported("a", 30))
+    role.add(_imported("b", 30))
+    failed = role.poll()  # a starts at once; b's deadline (0 s) has passed
+    assert [rid for rid, _ in failed] == ["b"] and "--kv-cache-memory" in failed[0][1]
+    role.cancel("a")
+    coordinator.release("a")  # what EngineCore.finish_request does after the cancel
+    assert not role.busy and coordinator.pools.all_free()
