@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
@@ -52,6 +53,41 @@ def default_model_path() -> str:
     return str(Path(__file__).parent / "assets" / "austen-v4")
 
 
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: the draft method and how many tokens it drafts per step."""
+
+    method: str
+    num_speculative_tokens: int
+
+    @staticmethod
+    def parse(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON ({exc}): {value!r}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            known = "method, num_speculative_tokens"
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {known})")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            supported = list(SPECULATIVE_METHODS)
+            raise ValueError(f"speculative_config: unknown method {method!r}; supported: {supported}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        return SpeculativeConfig(str(method), k)
+
+
 @dataclass
 class EngineConfig:
     model: str = field(default_factory=default_model_path, metadata={"help": "Hugging Face model folder"})
@@ -89,10 +125,22 @@ class EngineConfig:
         },
     )
 
+    speculative_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": 'speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
+        self.speculative  # noqa: B018 (refuse a bad speculative_config at construction)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def kv_cache_bytes(self) -> int:

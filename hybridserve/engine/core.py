@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
@@ -17,6 +18,7 @@ from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -66,6 +68,11 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     failed_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode counters); accepted_per_pos[i]: draft i accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -86,6 +93,7 @@ class EngineCore:
             self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens()
         )
         self.runner = self._build_runner()
+        self.spec = self._build_spec_decoder()
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -108,8 +116,21 @@ class EngineCore:
             enforce_eager=self.config.enforce_eager,
         )
 
+    def _build_spec_decoder(self) -> SpecDecoder | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        return SpecDecoder(self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k)
+
     def _build_plan(self) -> CachePlan:
-        specs = self.model.cache_specs()
+        spec = self.config.speculative
+        if spec is not None and not self.model.mtp:
+            raise ValueError(
+                f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
+                f"{self.config.model} has none; serve it without --speculative-config"
+            )
+        specs = self.model.cache_specs(include_mtp=spec is not None)
         block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
         return build_plan(
             specs,
@@ -168,6 +189,8 @@ class EngineCore:
         if not out.scheduled:
             return []
         self.stats.steps += 1
+        if self.spec is not None:
+            return self._spec_step(out, self.spec)
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
@@ -181,6 +204,66 @@ class EngineCore:
             if s.samples:
                 outputs.append(self._append_token(req, next(results)))
         return outputs
+
+    def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
+        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py."""
+        try:
+            verified = iter(spec.execute(out))
+            self.stats.consecutive_failures = 0
+            outputs: list[EngineCoreOutput] = []
+            finished: list[tuple[Request, FinishReason, int | str | None]] = []
+            samples = [s.samples for s in out.scheduled]  # before the new tokens change the answer
+            for s, sampled in zip(out.scheduled, samples, strict=True):
+                req = s.request
+                req.num_computed_tokens = s.end - s.num_spec
+                if sampled:
+                    output, reason = self._append_tokens(req, next(verified).results)
+                    outputs.append(output)
+                    req.num_computed_tokens = req.num_tokens - 1  # the last token is not computed
+                    self.coordinator.truncate(req.request_id, req.num_computed_tokens)
+                    if reason is not None:
+                        finished.append((req, reason, output.stop_reason))
+            done = {r.request_id for r, _, _ in finished}
+            load = (len(self.scheduler.running), self.config.max_num_batched_tokens)
+            drafts = [
+                0
+                if s.request.request_id in done or not sampled
+                else spec.num_drafts(s.request, self.max_request_tokens, *load)
+                for s, sampled in zip(out.scheduled, samples, strict=True)
+            ]
+            spec.propose(out.scheduled, drafts)
+        except Exception as exc:
+            for s in out.scheduled:
+                s.request.drop_drafts()
+            return self._fail_step(out, exc)
+        for s in out.scheduled:
+            req = s.request
+            self.coordinator.publish(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        for req, reason, stop_reason in finished:
+            self.finish_request(req.request_id, reason, stop_reason)
+        return outputs
+
+    def _append_tokens(
+        self, req: Request, results: list[SampleResult]
+    ) -> tuple[EngineCoreOutput, FinishReason | None]:
+        """Append verified tokens up to the first that ends the request (EOS, stop token, length)."""
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob]] = []
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        for res in results:
+            req.output_token_ids.append(res.token_id)
+            tokens.append(res.token_id)
+            if res.top is not None:
+                logprobs.append(res.top)
+            reason, stop_reason = self._stop(req, res.token_id)
+            if reason is not None:
+                break
+        self.stats.generation_tokens += len(tokens)
+        output = EngineCoreOutput(
+            req.request_id, tokens, logprobs or None, reason, stop_reason, req.num_cached_tokens
+        )
+        return output, reason
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         log.exception("an engine step failed; failing its %d requests", len(out.scheduled))
@@ -245,7 +328,19 @@ class EngineCore:
             generation_tokens=self.stats.generation_tokens,
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
+            **self._spec_snapshot(),
         )
+
+    def _spec_snapshot(self) -> dict[str, Any]:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return {
+            "spec_num_drafts": st.num_drafts,
+            "spec_num_draft_tokens": st.num_draft_tokens,
+            "spec_num_accepted_tokens": st.num_accepted_tokens,
+            "spec_accepted_per_pos": list(st.accepted_per_pos),
+        }
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -205,6 +205,10 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Speculative decoding: tokens drafted for the next positions (not yet verified) and, for requests
+    # that sample at random, the distribution [len(spec_token_ids), V] each draft was drawn from.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.output_token_ids = OutputTokens(self.prompt_token_ids, self.output_token_ids)
@@ -230,7 +234,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def drop_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_probs = None
+
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.drop_drafts()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.models.loader import load_model
-from hybridserve.train.mtp import MTPModule, mtp_state_to_disk
+from hybridserve.train.mtp import MTPModule
 from tests.reference import reference_model
-from tests.tiny_models import VOCAB, randomise
+from tests.tiny_models import VOCAB, add_random_mtp
 
 
 def _with_mtp(src: Path, dst: Path) -> MTPModule:
     """Copy a tiny checkpoint and add random ``mtp.0.*`` tensors in the official layout."""
-    shutil.copytree(src, dst)
-    ref = reference_model(src)
-    torch.manual_seed(1)
-    mtp = MTPModule(ref.config)
-    randomise(mtp, seed=1)
-    tensors = load_file(str(src / "model.safetensors")) | mtp_state_to_disk(mtp)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return mtp.eval()
+    return add_random_mtp(src, dst)  # type: ignore[no-any-return]
 
 
 def _batch(ids: list[int], positions: range, tables: dict[str, list[int]], block: int) -> ForwardBatch:
