@@ -52,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     raw = read_config(config.model)
     cfg = DeepseekV4Config.from_dict(raw)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    specs = cache_specs(cfg, dtype)
+    specs = cache_specs(cfg, dtype, include_mtp=config.speculative is not None)
     block_tokens = config.resolve_block_tokens([s.stride for s in specs])
     plan = build_plan(
         specs,
