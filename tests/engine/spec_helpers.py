@@ -6,7 +6,6 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
 import torch
 
 from hybridserve.cache.pool import NULL_BLOCK
@@ -22,9 +21,7 @@ def mtp(k: int) -> dict[str, object]:
 
 
 @contextmanager
-def oracle_drafts(
-    monkeypatch: pytest.MonkeyPatch, continuations: dict[tuple[int, ...], list[int]], wrong: float = 0.3
-) -> Iterator[None]:
+def oracle_drafts(continuations: dict[tuple[int, ...], list[int]], wrong: float = 0.3) -> Iterator[None]:
     """Drafts come from the known greedy continuation of each prompt, each replaced by a wrong token with
     probability ``wrong`` (a fixed hash of the position), so verification accepts runs of every length.
 
@@ -47,8 +44,11 @@ def oracle_drafts(
             tokens[i] = target[at] if h >= wrong else (target[at] + 1) % logits.shape[1]
         return tokens, probs
 
-    monkeypatch.setattr(RejectionSampler, "draft", draft)
-    yield
+    RejectionSampler.draft = draft  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RejectionSampler.draft = real  # type: ignore[method-assign]
 
 
 def poison_unverified_rows(core: EngineCore) -> None:

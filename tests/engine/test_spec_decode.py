@@ -70,7 +70,6 @@ def _check(folder: Path, prompts: list[list[int]], outputs: list, expected: list
 def test_greedy_with_mtp_equals_batch1_reference(
     tiny_checkpoint: Callable[[str], Path],
     mtp_checkpoint: Callable[[str], Path],
-    monkeypatch: pytest.MonkeyPatch,
     case: str,
     k: int,
 ) -> None:
@@ -78,7 +77,7 @@ def test_greedy_with_mtp_equals_batch1_reference(
     kwargs, shared = CASES[case]
     prompts = _prompts(8, seed=5, shared_prefix=shared)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
-    with oracle_drafts(monkeypatch, {tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
+    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
         llm = LLM(str(mtp_checkpoint("mixed")), block_tokens=8, speculative_config=mtp(k), **kwargs)
         _poisoning(llm.engine)
         rounds = 2 if shared else 1
@@ -131,7 +130,7 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(
     ]
     kwargs = dict(block_tokens=8, max_num_seqs=4, max_num_batched_tokens=32)
     plain = LLM(str(mtp_checkpoint("mixed")), **kwargs)
-    with oracle_drafts(monkeypatch, continuations, wrong=0.0):
+    with oracle_drafts(continuations, wrong=0.0):
         llm = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), **kwargs)
         for params in cases:
             ours, theirs = llm.generate(prompts, params), plain.generate(prompts, params)
