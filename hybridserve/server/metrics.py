@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
+from hybridserve.engine.core import EngineSnapshot
 from hybridserve.engine.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -54,6 +55,26 @@ class _EngineCollector(Collector):
         yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
+        yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (present, at zero, when speculation is off)."""
+    yield _counter("hybridserve_spec_decode_num_drafts", "draft sequences verified", stats.spec_num_drafts)
+    yield _counter(
+        "hybridserve_spec_decode_num_draft_tokens", "draft tokens verified", stats.spec_num_draft_tokens
+    )
+    yield _counter(
+        "hybridserve_spec_decode_num_accepted_tokens", "draft tokens accepted", stats.spec_num_accepted_tokens
+    )
+    per_pos = CounterMetricFamily(
+        "hybridserve_spec_decode_num_accepted_tokens_per_pos",
+        "draft tokens accepted at each draft position",
+        labels=["position"],
+    )
+    for pos, n in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
