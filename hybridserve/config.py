@@ -62,6 +62,9 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    # Measure output tokens/s per load level and draft fewer (or none) where that is faster.
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None  # vLLM's: no drafts while this many requests run
 
     @staticmethod
     def parse(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -74,9 +77,10 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not valid JSON ({exc}): {value!r}") from exc
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        keys = ("method", "num_speculative_tokens", "adaptive", "disable_by_batch_size")
+        unknown = sorted(set(value) - set(keys))
         if unknown:
-            known = "method, num_speculative_tokens"
+            known = ", ".join(keys)
             raise ValueError(f"speculative_config: unknown keys {unknown} (known: {known})")
         method = value.get("method")
         if method not in SPECULATIVE_METHODS:
@@ -85,7 +89,14 @@ class SpeculativeConfig:
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
-        return SpeculativeConfig(str(method), k)
+        adaptive, off_at = value.get("adaptive", True), value.get("disable_by_batch_size")
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+        if off_at is not None and (not isinstance(off_at, int) or isinstance(off_at, bool) or off_at < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 1, got {off_at!r}"
+            )
+        return SpeculativeConfig(str(method), k, adaptive, off_at)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
@@ -121,7 +123,10 @@ class EngineCore:
         if spec is None:
             return None
         k = spec.num_speculative_tokens
-        return SpecDecoder(self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k)
+        control = DraftController(k, spec.adaptive, spec.disable_by_batch_size)
+        return SpecDecoder(
+            self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k, control
+        )
 
     def _build_plan(self) -> CachePlan:
         spec = self.config.speculative
@@ -191,6 +196,9 @@ class EngineCore:
         self.stats.steps += 1
         if self.spec is not None:
             return self._spec_step(out, self.spec)
+        return self._plain_step(out)
+
+    def _plain_step(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
@@ -206,7 +214,23 @@ class EngineCore:
         return outputs
 
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
-        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py."""
+        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
+
+        With no drafts to verify and none wanted for the next step (load control), a plain step."""
+        start = time.perf_counter()
+        choice = spec.control.choose(len(self.scheduler.running))
+        if choice == 0 and not any(s.num_spec for s in out.scheduled):
+            for s in out.scheduled:
+                s.request.drop_drafts()  # any left are for positions this step moves past
+            outputs = self._plain_step(out)
+        else:
+            outputs = self._verify_and_draft(out, spec, choice)
+        spec.control.record(time.perf_counter() - start, sum(len(o.new_token_ids) for o in outputs))
+        return outputs
+
+    def _verify_and_draft(
+        self, out: SchedulerOutput, spec: SpecDecoder, choice: int
+    ) -> list[EngineCoreOutput]:
         try:
             verified = iter(spec.execute(out))
             self.stats.consecutive_failures = 0
@@ -228,7 +252,7 @@ class EngineCore:
             drafts = [
                 0
                 if s.request.request_id in done or not sampled
-                else spec.num_drafts(s.request, self.max_request_tokens, *load)
+                else min(choice, spec.num_drafts(s.request, self.max_request_tokens, *load))
                 for s, sampled in zip(out.scheduled, samples, strict=True)
             ]
             spec.propose(out.scheduled, drafts)

@@ -26,6 +26,7 @@ from hybridserve.engine.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import Sampler
 from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hybridserve.engine.spec_control import DraftController
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 from hybridserve.models.deepseek_v4_meta import MTP_KV
@@ -61,10 +62,12 @@ class SpecDecoder:
         sampler: Sampler,
         device: torch.device,
         num_speculative_tokens: int,
+        control: DraftController | None = None,
     ) -> None:
         assert len(model.mtp) > 0, "MTP speculative decoding needs a checkpoint with MTP weights"
         self.model, self.cache, self.coordinator, self.device = model, pools.tensors(), coordinator, device
         self.k = num_speculative_tokens
+        self.control = control or DraftController(num_speculative_tokens, adaptive=False)
         self.rejection = RejectionSampler(sampler)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
         self._streams: torch.Tensor | None = None  # the trunk's streams of the current step

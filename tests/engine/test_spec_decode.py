@@ -21,7 +21,7 @@ from tests.engine.test_greedy_vs_reference import prove_mismatch
 from tests.reference import reference_greedy
 from tests.tiny_models import VOCAB
 
-MAX_NEW = 16
+MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -75,14 +75,12 @@ def test_greedy_with_mtp_equals_batch1_reference(
 ) -> None:
     base = tiny_checkpoint("mixed")
     kwargs, shared = CASES[case]
-    prompts = _prompts(8, seed=5, shared_prefix=shared)
+    prompts = _prompts(6, seed=5, shared_prefix=shared)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
     with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
         llm = LLM(str(mtp_checkpoint("mixed")), block_tokens=8, speculative_config=mtp(k), **kwargs)
         _poisoning(llm.engine)
-        rounds = 2 if shared else 1
-        for _ in range(rounds):  # the second round of a shared prefix starts from cached blocks
-            _check(base, prompts, llm.generate(prompts, GREEDY), expected)
+        _check(base, prompts, llm.generate(prompts, GREEDY), expected)
     snap = llm.engine.snapshot()
     assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
     assert sum(snap.spec_accepted_per_pos) == snap.spec_num_accepted_tokens
