@@ -15,6 +15,7 @@ from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
+from hybridserve.engine.rejection_sampler import Verified
 from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
@@ -232,21 +233,10 @@ class EngineCore:
         self, out: SchedulerOutput, spec: SpecDecoder, choice: int
     ) -> list[EngineCoreOutput]:
         try:
-            verified = iter(spec.execute(out))
-            self.stats.consecutive_failures = 0
-            outputs: list[EngineCoreOutput] = []
-            finished: list[tuple[Request, FinishReason, int | str | None]] = []
             samples = [s.samples for s in out.scheduled]  # before the new tokens change the answer
-            for s, sampled in zip(out.scheduled, samples, strict=True):
-                req = s.request
-                req.num_computed_tokens = s.end - s.num_spec
-                if sampled:
-                    output, reason = self._append_tokens(req, next(verified).results)
-                    outputs.append(output)
-                    req.num_computed_tokens = req.num_tokens - 1  # the last token is not computed
-                    self.coordinator.truncate(req.request_id, req.num_computed_tokens)
-                    if reason is not None:
-                        finished.append((req, reason, output.stop_reason))
+            verified = spec.execute(out)
+            self.stats.consecutive_failures = 0
+            outputs, finished = self._commit_verified(out, samples, verified)
             done = {r.request_id for r, _, _ in finished}
             load = (len(self.scheduler.running), self.config.max_num_batched_tokens)
             drafts = [
@@ -266,6 +256,27 @@ class EngineCore:
         for req, reason, stop_reason in finished:
             self.finish_request(req.request_id, reason, stop_reason)
         return outputs
+
+    def _commit_verified(
+        self, out: SchedulerOutput, samples: list[bool], verified: list[Verified]
+    ) -> tuple[list[EngineCoreOutput], list[tuple[Request, FinishReason, int | str | None]]]:
+        """Append each request's verified tokens and truncate its blocks to what they verified.
+        -> (outputs, requests to finish once the step is done: (request, reason, stop reason))."""
+        results = iter(verified)
+        outputs: list[EngineCoreOutput] = []
+        finished: list[tuple[Request, FinishReason, int | str | None]] = []
+        for s, sampled in zip(out.scheduled, samples, strict=True):
+            req = s.request
+            req.num_computed_tokens = s.end - s.num_spec
+            if not sampled:
+                continue
+            output, reason = self._append_tokens(req, next(results).results)
+            outputs.append(output)
+            req.num_computed_tokens = req.num_tokens - 1  # the last token is not computed
+            self.coordinator.truncate(req.request_id, req.num_computed_tokens)
+            if reason is not None:
+                finished.append((req, reason, output.stop_reason))
+        return outputs, finished
 
     def _append_tokens(
         self, req: Request, results: list[SampleResult]

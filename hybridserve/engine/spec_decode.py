@@ -102,23 +102,20 @@ class SpecDecoder:
         assert self._streams is not None
         rows: list[int] = []
         ids: list[int] = []
-        positions: list[int] = []
-        req_rows: list[int] = []
         last: list[int] = []
         offset = 0
-        for r, s in enumerate(scheduled):
+        for s in scheduled:
             req, end = s.request, s.request.num_computed_tokens
             rows += range(offset, offset + end - s.start)
             ids += req.all_token_ids[s.start + 1 : end + 1]
-            positions += range(s.start, end)
-            req_rows += [r] * (end - s.start)
             last.append(len(ids) - 1)
             offset += s.num_tokens
             req.drop_drafts()
         requests = [s.request for s in scheduled]
+        starts, ends = [s.start for s in scheduled], [r.num_computed_tokens for r in requests]
         streams = self.model.mtp_forward(
             self._streams[torch.tensor(rows, device=self.device)],
-            self._batch(requests, ids, positions, req_rows),
+            self._batch(requests, ids, starts, ends),
             self.cache,
         )
         self._streams = None
@@ -143,10 +140,9 @@ class SpecDecoder:
             reqs = [requests[i] for i in active]
             if depth:
                 ids = [r.spec_token_ids[-1] for r in reqs]
-                positions = [r.num_computed_tokens + depth - 1 for r in reqs]
-                prev = self.model.mtp_forward(
-                    prev, self._batch(reqs, ids, positions, list(range(len(reqs)))), self.cache
-                )
+                at = [r.num_computed_tokens + depth - 1 for r in reqs]
+                batch = self._batch(reqs, ids, at, [p + 1 for p in at])
+                prev = self.model.mtp_forward(prev, batch, self.cache)
             self._sample_drafts(reqs, prev)
 
     def _chain_room(self, req: Request, n: int) -> int:
@@ -165,15 +161,14 @@ class SpecDecoder:
                 req.spec_probs = row if req.spec_probs is None else torch.cat([req.spec_probs, row])
 
     def _batch(
-        self, requests: list[Request], ids: list[int], positions: list[int], req_rows: list[int]
+        self, requests: list[Request], ids: list[int], starts: list[int], ends: list[int]
     ) -> ForwardBatch:
-        """A batch over the draft group only: request i's tokens are consecutive, in order."""
-        starts: list[int] = []
-        ends: list[int] = []
-        for r in range(len(requests)):
-            mine = [p for p, row in zip(positions, req_rows, strict=True) if row == r]
-            starts.append(mine[0])
-            ends.append(mine[-1] + 1)
+        """A batch over the draft group only: request i computes positions [starts[i], ends[i])."""
+        positions: list[int] = []
+        req_rows: list[int] = []
+        for r, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            positions += range(start, end)
+            req_rows += [r] * (end - start)
         host = host_tensor(ids + positions + req_rows + ends).to(self.device)
         input_ids, pos, rows, seq_ends = host.split([len(ids)] * 3 + [len(ends)])
         tables = [{MTP_KV: self.coordinator.block_tables(r.request_id)[MTP_KV]} for r in requests]

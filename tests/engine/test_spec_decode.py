@@ -199,3 +199,17 @@ def test_bad_speculative_config_is_refused(
 def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="needs MTP weights"):
         LLM(str(tiny_checkpoint("mixed")), speculative_config=mtp(1))
+
+
+def test_generate_and_plan_take_the_speculative_config(
+    mtp_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture
+) -> None:
+    from hybridserve.cli import main
+
+    folder, spec = str(mtp_checkpoint("mixed")), '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert main(["generate", "--model", folder, "--speculative-config", spec, "--max-tokens", "4", "hi"]) == 0
+    assert main(["plan", "--model", folder, "--speculative-config", spec, "--num-blocks", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "[4 tokens" in out and "mtp_kv" in out and "draft groups" in out
+    assert main(["generate", "--model", folder, "--speculative-config", '{"method": "ngram"}', "hi"]) == 2
+    assert "unknown method 'ngram'" in capsys.readouterr().err
