@@ -220,13 +220,14 @@ class EngineCore:
         With no drafts to verify and none wanted for the next step (load control), a plain step."""
         start = time.perf_counter()
         choice = spec.control.choose(len(self.scheduler.running))
-        if choice == 0 and not any(s.num_spec for s in out.scheduled):
+        plain = choice == 0 and not any(s.num_spec for s in out.scheduled)
+        if plain:
             for s in out.scheduled:
                 s.request.drop_drafts()  # any left are for positions this step moves past
             outputs = self._plain_step(out)
         else:
             outputs = self._verify_and_draft(out, spec, choice)
-        spec.control.record(time.perf_counter() - start, sum(len(o.new_token_ids) for o in outputs))
+        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=not plain)
         return outputs
 
     def _verify_and_draft(

@@ -86,6 +86,8 @@ class SpecDecoder:
         )
         for v in verified:
             self.stats.observe(v)
+            if v.num_drafts:
+                self.control.record_verified(v.num_drafts, v.num_accepted)
         return verified
 
     def num_drafts(self, req: Request, max_request_tokens: int, num_running: int, budget: int) -> int:
