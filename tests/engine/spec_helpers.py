@@ -16,8 +16,9 @@ from hybridserve.engine.request import Request
 POISON = 1e4
 
 
-def mtp(k: int) -> dict[str, object]:
-    return {"method": "mtp", "num_speculative_tokens": k}
+def mtp(k: int, adaptive: bool = False) -> dict[str, object]:
+    """A speculative_config; fixed k by default, so that every step drafts and verifies."""
+    return {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive}
 
 
 @contextmanager
