@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import httpx
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.bench.server_process import free_port, parse_metrics, wait_healthy
 
 
 def ttft_cached_vs_cold(model: str, lengths: list[int], repeats: int) -> list[dict[str, float]]:
@@ -55,19 +55,13 @@ def ttft_cached_vs_cold(model: str, lengths: list[int], repeats: int) -> list[di
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def shared_prefix_on_off(model: str, threads: int, bench_args: list[str]) -> dict[str, dict]:
     results = {}
     for label, flag in (
         ("caching_on", "--enable-prefix-caching"),
         ("caching_off", "--no-enable-prefix-caching"),
     ):
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen(
             [
                 sys.executable,
@@ -87,7 +81,7 @@ def shared_prefix_on_off(model: str, threads: int, bench_args: list[str]) -> dic
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url)
+            wait_healthy(url)
             out = Path(f"benchmarks/results/prefix_{label}.json")
             cmd = [
                 sys.executable,
@@ -118,25 +112,8 @@ def shared_prefix_on_off(model: str, threads: int, bench_args: list[str]) -> dic
     return results
 
 
-def _wait_healthy(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become healthy")
-
-
 def _metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    return parse_metrics(httpx.get(f"{url}/metrics").text)
 
 
 def main() -> None:

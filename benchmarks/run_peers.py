@@ -6,9 +6,13 @@
 
 Each engine is started on a free loopback port, driven by `hybridserve bench serve` on
 `/v1/chat/completions` (the one endpoint every peer serves) at each concurrency, checked for greedy
-token agreement with the transformers reference (`benchmarks/agreement.py`), then stopped. Engines
-run one after another with nothing else started, so their ratios come from the same run. Peers need
-their venvs: `bash benchmarks/peers/setup_transformers.sh`, `bash benchmarks/peers/setup_mlx_vlm.sh`
+token agreement with the transformers reference (`benchmarks/agreement.py`) at each concurrency too,
+then stopped. Engines run one after another with nothing else started, so their ratios come from the
+same run; every table is written by one run (there is no resuming). Each level draws fresh prompts
+(seed = the level), its warm-up requests are never measured, and hybridserve's prefix cache is off for
+the random workload (`--prefix-caching auto`; on for shared-prefix and multi-turn, and reported).
+Needs matplotlib (`pip install -e '.[bench]'`). Peers need their venvs:
+`bash benchmarks/peers/setup_transformers.sh`, `bash benchmarks/peers/setup_mlx_vlm.sh`
 (+ `mlx_vlm_convert.py` for the checkpoint).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,11 +60,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine(name: str, checkpoint: Path, port: int, threads: int) -> Engine:
+def engine(name: str, checkpoint: Path, port: int, threads: int, caching: bool) -> Engine:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name == "hybridserve":
         cmd = [PY, "-m", "hybridserve.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
         cmd += ["--num-threads", str(threads), "--log-level", "warning", "--max-num-seqs", "64"]
+        cmd += [] if caching else ["--no-enable-prefix-caching"]
         return Engine(name, [*cmd, "--max-queue", "1024"], checkpoint.name, env)
     if name == "transformers":
         server = str(ROOT / "benchmarks/peers/transformers_server.py")
@@ -104,47 +110,38 @@ def _bench(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, c: i
         str(c),
     ]
     cmd += ["--warmup", "2", "--no-ignore-eos", "--extra-body", json.dumps(e.fields(args.output_len))]
-    cmd += ["--label", f"{e.name}-c{c}", "--result-json", str(result), "--seed", "0", "--no-progress"]
+    cmd += ["--label", f"{e.name}-c{c}", "--result-json", str(result), "--seed", str(c), "--no-progress"]
     cmd += ["--workload", args.workload, *args.workload_args.split()]
     subprocess.run(cmd, check=True)
 
 
-def _agreement(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, result: Path) -> None:
+def _agreement(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, c: int, result: Path) -> dict:
+    """Greedy agreement with ``c`` requests in flight at once (``max(agreement_prompts, c)`` prompts)."""
     cmd = [PY, str(ROOT / "benchmarks/agreement.py"), "--base-url", url, "--model", e.model_name]
-    cmd += [
-        "--checkpoint",
-        str(checkpoint),
-        "--endpoint",
-        "chat",
-        "--num-prompts",
-        str(args.agreement_prompts),
-    ]
+    cmd += ["--checkpoint", str(checkpoint), "--endpoint", "chat", "--concurrency", str(c)]
+    cmd += ["--num-prompts", str(max(args.agreement_prompts, c))]
     cmd += ["--max-tokens", "32", "--out", str(result), "--no-ignore-eos"]
     subprocess.run([*cmd, "--extra-body", json.dumps(e.fields(32))], check=True)
+    return dict(json.loads(result.read_text()))
 
 
 def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, out: Path) -> dict:
-    """Start the engine, measure every concurrency level and the agreement (reusing results already
-    written by an interrupted run with ``--resume``), stop it."""
-    todo = [c for c in _levels(args) if not (args.resume and (out / f"{e.name}-c{c}.json").is_file())]
-    agreement = out / f"{e.name}-agreement.json"
-    need_agreement = not (args.resume and agreement.is_file()) and not args.skip_agreement
-    if todo or need_agreement:
-        server = subprocess.Popen(
-            e.cmd, env=e.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        try:
-            _wait_ready(url, e.model_name)
-            for c in todo:
-                _bench(e, url, checkpoint, args, c, out / f"{e.name}-c{c}.json")
-            if need_agreement:
-                _agreement(e, url, checkpoint, args, agreement)
-        finally:
-            os.killpg(server.pid, 15)
-            server.wait(timeout=60)
-    levels = [json.loads((out / f"{e.name}-c{c}.json").read_text())[0] for c in _levels(args)]
-    report = json.loads(agreement.read_text()) if agreement.is_file() else {}
-    return {"engine": e.name, "levels": levels, "agreement": report}
+    """Start the engine, measure every concurrency level and the agreement at each, stop it."""
+    levels, agreement = [], {}
+    server = subprocess.Popen(
+        e.cmd, env=e.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        _wait_ready(url, e.model_name)
+        for c in _levels(args):
+            _bench(e, url, checkpoint, args, c, out / f"{e.name}-c{c}.json")
+            levels.append(json.loads((out / f"{e.name}-c{c}.json").read_text())[0])
+            if not args.skip_agreement:
+                agreement[c] = _agreement(e, url, checkpoint, args, c, out / f"{e.name}-agreement-c{c}.json")
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    return {"engine": e.name, "levels": levels, "agreement": agreement}
 
 
 def _levels(args: argparse.Namespace) -> list[int]:
@@ -164,9 +161,9 @@ def table(results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        agree = _agreement_figure(r["agreement"])
         for lv in r["levels"]:
             c = lv["config"]["max_concurrency"]
+            agree = _agreement_figure(r["agreement"].get(c, {}))
             ratio = ours[c]["output_throughput"] / lv["output_throughput"] if c in ours else float("nan")
             lines.append(
                 f"| {r['engine']} | {c} | {lv['output_throughput']:.1f} | {lv['ttft_ms']['p50']:.0f} / "
@@ -196,13 +193,22 @@ def main() -> None:
     parser.add_argument("--agreement-prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<checkpoint name>")
-    parser.add_argument("--resume", action="store_true", help="keep results an interrupted run already wrote")
+    parser.add_argument(
+        "--prefix-caching",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="hybridserve's prefix cache; auto: off for the random workload, on for the others",
+    )
     parser.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"])
     parser.add_argument(
         "--workload-args", default="", help="more `bench serve` flags, e.g. '--prefix-len 512'"
     )
     parser.add_argument("--skip-agreement", action="store_true")
     args = parser.parse_args()
+    _require_matplotlib()
+    # SIGTERM (e.g. from `timeout`) unwinds like an exception, so each engine's server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    caching = args.prefix_caching == "on" or (args.prefix_caching == "auto" and args.workload != "random")
     checkpoint = Path(args.checkpoint).resolve()
     default_out = ROOT / "benchmarks/results" / checkpoint.name
     out = Path(args.out or (default_out if args.workload == "random" else default_out / args.workload))
@@ -212,13 +218,24 @@ def main() -> None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"== {name} on {checkpoint.name} ==", flush=True)
-        results.append(run_engine(engine(name, checkpoint, port, args.threads), url, checkpoint, args, out))
-    (out / "summary.json").write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+        e = engine(name, checkpoint, port, args.threads, caching)
+        results.append(run_engine(e, url, checkpoint, args, out))
+    config = vars(args) | {"hybridserve_prefix_caching": caching}
+    (out / "summary.json").write_text(json.dumps({"config": config, "results": results}, indent=2))
     for r in results:
         points = [(lv["config"]["max_concurrency"], BenchSummary(**lv)) for lv in r["levels"]]
         plot_sweep(points, out, r["engine"])
-    (out / "table.md").write_text(table(results) + "\n")
-    print(table(results))
+    note = f"hybridserve prefix caching: {'on' if caching else 'off'}; one run, fresh prompts per level"
+    (out / "table.md").write_text(f"{note}\n\n{table(results)}\n")
+    print(note, table(results), sep="\n")
+
+
+def _require_matplotlib() -> None:
+    """Fail at the start, not after an hour of measuring, when the plots cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("run_peers.py draws plots with matplotlib: pip install -e '.[bench]'")
 
 
 if __name__ == "__main__":

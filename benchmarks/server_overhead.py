@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import torch
+
+from hybridserve.bench.server_process import free_port, wait_healthy
 
 
 def offline_tpot(model: str, prompt: list[int], max_tokens: int, repeats: int) -> list[float]:
@@ -42,20 +43,14 @@ def offline_tpot(model: str, prompt: list[int], max_tokens: int, repeats: int) -
     return tpots
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_tpot(model: str, prompt: list[int], max_tokens: int, repeats: int) -> list[float]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "hybridserve.cli", "serve", "--model", model, "--port", str(port)]
     cmd += ["--num-threads", "1", "--log-level", "warning", "--no-enable-prefix-caching"]
     server = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server, timeout=300)
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         body |= {"ignore_eos": True, "stream": True}
@@ -65,20 +60,6 @@ def server_tpot(model: str, prompt: list[int], max_tokens: int, repeats: int) ->
     finally:
         server.terminate()
         server.wait(timeout=60)
-
-
-def _wait_healthy(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError("the server exited")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
 
 
 def _stream_times(client: httpx.Client, url: str, body: dict) -> list[float]:

@@ -1,4 +1,4 @@
-"""Command line: ``hybridserve serve | generate | plan | bench``."""
+"""Command line: ``hybridserve serve | generate | plan | quantize | bench``."""
 
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     raw = read_config(config.model)
     cfg = DeepseekV4Config.from_dict(raw)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    specs = cache_specs(cfg, dtype, include_mtp=config.speculative is not None)
+    specs = cache_specs(
+        cfg, dtype, include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
+    )
     block_tokens = config.resolve_block_tokens([s.stride for s in specs])
     plan = build_plan(
         specs,
@@ -66,6 +68,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
     print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
     print(plan.describe(request_tokens=length))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from hybridserve.models.quantize import quantize_checkpoint
+
+    r = quantize_checkpoint(args.model, args.out, args.weights)
+    print(f"{args.out}: {r.quantized} weights as {args.weights}, {r.kept} tensors kept")
+    print(f"safetensors bytes: {r.bytes_in:,} -> {r.bytes_out:,} ({r.bytes_out / max(r.bytes_in, 1):.2f}x)")
     return 0
 
 
@@ -108,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    quantize = sub.add_parser("quantize", help="write a checkpoint in DeepSeek's FP8 / FP4-experts layout")
+    quantize.add_argument("--model", required=True, help="full-precision Hugging Face model folder")
+    quantize.add_argument("--out", required=True, help="new folder for the quantized checkpoint")
+    quantize.add_argument("--weights", required=True, choices=["fp8", "fp4-experts"])
+    quantize.set_defaults(fn=cmd_quantize)
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint")
     from hybridserve.bench.args import add_bench_args
 

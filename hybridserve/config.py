@@ -128,6 +128,27 @@ class EngineConfig:
         default=False,
         metadata={"help": "on CUDA, no torch.compile and no CUDA graphs (CPU always runs eagerly)"},
     )
+    dequantize_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "dequantise an FP8/FP4 checkpoint's weights to --dtype at load (2-4x the memory, same "
+            "outputs); by default they stay quantized and each layer dequantises its own at use"
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the model dtype) or fp8: window KV, compressed rows and indexer keys in e4m3 with "
+            "a power-of-two scale per 64 values (rope dimensions stay in the model dtype), like DeepSeek-V4"
+        },
+    )
+    native_fp8_matmul: bool = field(
+        default=True,
+        metadata={
+            "help": "on CUDA sm90+, FP8 weights multiply natively (torch scaled_mm; activations rounded to "
+            "e4m3 per 128 values, as DeepSeek's kernels do); off: dequantise per layer at use"
+        },
+    )
     reserve_lookahead: int | None = field(
         default=None,
         metadata={
@@ -147,6 +168,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self.speculative  # noqa: B018 (refuse a bad speculative_config at construction)
 
     @property

@@ -12,13 +12,54 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-# DeepSeek-V4 checkpoints that ship no Jinja template get this (the DeepSeek chat format).
+# DeepSeek's tool-call markers (DeepSeek-V3.1 format: name, then JSON arguments).
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def _text(text: str) -> str:
+    """Template text as a Jinja expression, so trim_blocks never eats its newlines."""
+    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}"
+
+
+_TOOLS_PROMPT = (
+    _text("\n\n## Tools\nYou have access to the following tools:\n") + "{%- for tool in tools %}"
+    "{{ '\n### ' + tool['function']['name'] + '\nDescription: ' + (tool['function']['description'] or '') }}"
+    "{{ '\n\nParameters: ' + (tool['function']['parameters'] or {}) | tojson + '\n' }}"
+    "{%- endfor %}"
+    + _text(
+        "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+        f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{TOOL_CALL_END}"
+        "{{additional_tool_calls}}"
+        f"{TOOL_CALLS_END}\n\nWhere:\n\n"
+        "- `tool_call_name` must be an exact match to one of the available tools\n"
+        "- `tool_call_arguments` must be valid JSON based on the tool's parameters schema\n"
+        "- For multiple tool calls, chain them directly without separators or spaces\n"
+    )
+)
+
+# DeepSeek-V4 checkpoints that ship no Jinja template get this (the DeepSeek chat format, with tools).
 DEEPSEEK_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for m in messages if m['role'] == 'system' %}{{ m['content'] }}{% endfor %}"
+    "{%- if tools %}" + _TOOLS_PROMPT + "{% endif %}"
     "{%- for m in messages %}"
     "{%- if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{%- elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{%- elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}"
+    "{%- if m['tool_calls'] %}"
+    + TOOL_CALLS_BEGIN
+    + "{% for call in m['tool_calls'] %}"
+    + TOOL_CALL_BEGIN
+    + "{{ call['function']['name'] }}"
+    + TOOL_SEP
+    + "{{ call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson }}"
+    + TOOL_CALL_END
+    + "{% endfor %}"
+    + TOOL_CALLS_END
+    + "{% endif %}"
+    "<｜end▁of▁sentence｜>"
+    "{%- elif m['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
@@ -91,11 +132,16 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """``extra``: more template variables, e.g. ``tools`` (OpenAI tool definitions)."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         template = env.from_string(self.chat_template)
         return template.render(
+            **extra,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -103,7 +149,7 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> tuple[list[int], str]:
         """Token ids of the rendered conversation, with message content encoded as plain text: special-token
         strings inside content are not parsed as special tokens (as vLLM/transformers' split_special_tokens);
@@ -117,8 +163,9 @@ class Tokenizer:
         msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
         others = [{k: v for k, v in m.items() if k != "content"} for m in msgs]
         self._reject_specials(others, "message fields other than content")
-        text = self.apply_chat_template(msgs, add_generation_prompt)
-        pieces = self._split_content(msgs, add_generation_prompt, text)
+        self._reject_specials(list(extra.values()), "tools or template arguments")
+        text = self.apply_chat_template(msgs, add_generation_prompt, **extra)
+        pieces = self._split_content(msgs, add_generation_prompt, text, extra)
         if pieces is None:
             self._reject_specials([m["content"] for m in msgs], "message content with this chat template")
             return self.encode(text, add_special_tokens=False), text
@@ -130,17 +177,18 @@ class Tokenizer:
             raise ValueError(f"special-token text {', '.join(map(repr, found))} is not allowed in {where}")
 
     def _split_content(
-        self, msgs: list[dict[str, Any]], add_generation_prompt: bool, text: str
+        self, msgs: list[dict[str, Any]], add_generation_prompt: bool, text: str, extra: dict[str, Any]
     ) -> list[tuple[str, bool]] | None:
         """``text`` as (piece, is_content) pairs, found by rendering with a sentinel per message content;
         None when the template transforms content (the sentinel render does not map back to ``text``)."""
-        used = set(self.chat_template).union(*_strings([msgs, self.bos_token, self.eos_token]))
+        used = set(self.chat_template).union(*_strings([msgs, extra, self.bos_token, self.eos_token]))
         mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)  # private use area
         if mark is None:
             return None
         marked = [{**m, "content": f"{mark}{i}{mark}"} for i, m in enumerate(msgs)]
         try:
-            parts = re.split(f"{mark}([0-9]+){mark}", self.apply_chat_template(marked, add_generation_prompt))
+            marked_text = self.apply_chat_template(marked, add_generation_prompt, **extra)
+            parts = re.split(f"{mark}([0-9]+){mark}", marked_text)
         except Exception:  # the template may fail on the sentinel where it accepted the real content
             return None
         pieces = [(p, False) if k % 2 == 0 else (_index(msgs, p), True) for k, p in enumerate(parts)]
@@ -191,6 +239,11 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """JSON as transformers' templates render it (not HTML-escaped, unlike Jinja's own filter)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
 def _content_text(content: Any) -> str:
     """Message content as one string: None is empty, a list of text parts is joined."""
     if content is None or isinstance(content, str):
@@ -229,6 +282,19 @@ def _index(msgs: list[dict[str, Any]], digits: str) -> str | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the template text itself (vLLM's --chat-template)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer | None:

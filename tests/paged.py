@@ -14,9 +14,18 @@ from hybridserve.models.loader import load_model
 
 
 class PagedSequence:
-    def __init__(self, folder: Path, dtype: torch.dtype, block_tokens: int, num_blocks: int = 64) -> None:
-        self.model = load_model(folder, dtype, "cpu")
-        plan = build_plan(self.model.cache_specs(), block_tokens, 4, 512, num_blocks=num_blocks)
+    def __init__(
+        self,
+        folder: Path,
+        dtype: torch.dtype,
+        block_tokens: int,
+        num_blocks: int = 64,
+        keep_quantized: bool = True,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        self.model = load_model(folder, dtype, "cpu", keep_quantized)
+        specs = self.model.cache_specs(kv_cache_dtype=kv_cache_dtype)
+        plan = build_plan(specs, block_tokens, 4, 512, num_blocks=num_blocks)
         self.pools = BlockPoolSet(plan, "cpu")
         self.coordinator = KvCacheCoordinator(plan, self.pools, enable_prefix_caching=False)
         self.block_tokens = block_tokens

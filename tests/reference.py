@@ -39,20 +39,76 @@ def stable_indexer_topk() -> Iterator[None]:
         torch.Tensor.topk = original  # type: ignore[method-assign]
 
 
+@dataclass(frozen=True)
+class GreedyTrace:
+    """One reference greedy run: prefill in one shot, then one token at a time through its own cache.
+
+    Everything is read off that one incremental path, so a proof about a divergence speaks about the
+    very forward passes that produced the reference's tokens.
+    """
+
+    tokens: tuple[int, ...]
+    top2: tuple[tuple[int, int], ...]  # per step: the best and second-best token ids
+    gaps: tuple[float, ...]  # per step: best minus second-best logit
+    ties: tuple[int, ...]  # absolute query positions whose indexer top-k boundary is an exact tie
+
+    def first_tie_at_or_before(self, position: int) -> int | None:
+        return next((p for p in sorted(self.ties) if p <= position), None)
+
+
 @cache
-def _greedy(folder: Path, dtype: str, prompt: tuple[int, ...], max_new: int, stable: bool) -> tuple[int, ...]:
+def greedy_trace(
+    folder: Path, prompt: tuple[int, ...], max_new: int, dtype: str = "float32", stable: bool = False
+) -> GreedyTrace:
     from transformers import DynamicCache
 
     model = reference_model(folder, dtype)
     cache_ = DynamicCache(config=model.config)
     tokens: list[int] = []
+    top2: list[tuple[int, int]] = []
+    gaps: list[float] = []
     step = list(prompt)
-    with torch.no_grad(), stable_indexer_topk() if stable else nullcontext():
+    with torch.no_grad(), stable_indexer_topk() if stable else nullcontext(), indexer_ties(model) as ties:
         for _ in range(max_new):
-            logits = model(torch.tensor([step]), past_key_values=cache_, use_cache=True).logits
-            step = [int(logits[0, -1].argmax())]
+            logits = model(torch.tensor([step]), past_key_values=cache_, use_cache=True).logits[0, -1]
+            values, ids = logits.float().topk(2)
+            top2.append((int(ids[0]), int(ids[1])))
+            gaps.append(float(values[0] - values[1]))
+            step = [int(logits.argmax())]
             tokens += step
-    return tuple(tokens)
+    return GreedyTrace(tuple(tokens), tuple(top2), tuple(gaps), tuple(sorted(set(ties))))
+
+
+@contextmanager
+def indexer_ties(model: Any) -> Iterator[list[int]]:
+    """Collect the absolute positions of queries whose indexer top-k boundary falls in an exact tie."""
+    cfg = model.config
+    m, k = cfg.compress_rates["compressed_sparse_attention"], cfg.index_topk
+    ties: list[int] = []
+    positions: list[torch.Tensor] = []
+    hooks = []
+
+    def remember(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        positions.append(kwargs["position_ids"] if "position_ids" in kwargs else args[2])
+
+    def inspect(module: Any, args: Any, scores: torch.Tensor) -> None:
+        for s, pos in enumerate(positions.pop()[0].tolist()):
+            valid = scores[0, s, : (pos + 1) // m]
+            if valid.numel() > k:
+                top = valid.sort(descending=True).values
+                if top[k - 1] == top[k]:
+                    ties.append(pos)
+
+    for layer in model.model.layers:
+        indexer = getattr(getattr(layer.self_attn, "compressor", None), "indexer", None)
+        if indexer is not None:
+            hooks.append(indexer.register_forward_pre_hook(remember, with_kwargs=True))
+            hooks.append(indexer.scorer.register_forward_hook(inspect))
+    try:
+        yield ties
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def reference_greedy(
@@ -60,7 +116,7 @@ def reference_greedy(
 ) -> list[int]:
     """Greedy continuation of one prompt: prefill in one shot, then one token at a time, no stopping
     (``generate``'s ``min_new_tokens`` would mask EOS, which ``ignore_eos`` does not)."""
-    return list(_greedy(folder, dtype, tuple(prompt), max_new, stable_ties))
+    return list(greedy_trace(folder, tuple(prompt), max_new, dtype, stable_ties).tokens)
 
 
 def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
@@ -77,41 +133,3 @@ def chunked_logits(model: Any, token_ids: list[int], chunks: list[int]) -> torch
             out.append(logits[0])
             pos += c
     return torch.cat(out)
-
-
-@dataclass
-class TieReport:
-    ties: list[tuple[int, int]]  # (layer, query position) whose top-k boundary falls inside an exact tie
-    min_logit_gaps: list[float]  # per generated step: gap between the best and second-best logit
-
-
-def tie_report(model: Any, token_ids: list[int], prompt_len: int) -> TieReport:
-    """Run ``token_ids`` once through the reference and report exact indexer ties and logit gaps."""
-    ties: list[tuple[int, int]] = []
-    cfg = model.config
-    m = cfg.compress_rates["compressed_sparse_attention"]
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        comp = getattr(layer.self_attn, "compressor", None)
-        indexer = getattr(comp, "indexer", None)
-        if indexer is None:
-            continue
-
-        def hook(module: Any, args: Any, scores: torch.Tensor, layer_idx: int = i) -> None:
-            for pos in range(scores.shape[1]):
-                valid = scores[0, pos, : (pos + 1) // m]
-                k = cfg.index_topk
-                if valid.numel() > k:
-                    top = valid.sort(descending=True).values
-                    if top[k - 1] == top[k]:
-                        ties.append((layer_idx, pos))
-
-        hooks.append(indexer.scorer.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0]
-    finally:
-        for h in hooks:
-            h.remove()
-    top2 = logits[prompt_len - 1 :].float().topk(2, dim=-1).values
-    return TieReport(ties, (top2[:, 0] - top2[:, 1]).tolist())

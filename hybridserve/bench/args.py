@@ -33,3 +33,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="folder for PNG plots of a concurrency sweep")
     p.add_argument("--no-progress", action="store_true")
+    from hybridserve.bench.soak import add_soak_args
+
+    add_soak_args(sub.add_parser("soak", help="thousands of mixed, hostile requests; then check for leaks"))

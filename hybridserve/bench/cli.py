@@ -22,20 +22,21 @@ from hybridserve.bench.workloads import (
 from hybridserve.tokenizer import Tokenizer, load_tokenizer
 
 
-def _workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[BenchRequest]:
+def _workload(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
+    """Warm-up requests first, then the measured ones: all distinct prompts drawn from ``seed``."""
     n = args.num_prompts + args.warmup
     if args.workload == "shared-prefix":
         per = max(1, -(-n // args.num_prefixes))
         return shared_prefix_workload(
-            args.seed, args.num_prefixes, per, args.prefix_len, args.input_len, args.output_len, tokenizer
+            seed, args.num_prefixes, per, args.prefix_len, args.input_len, args.output_len, tokenizer
         )[:n]
     if args.workload == "multi-turn":  # warm-up does not apply: turns depend on earlier answers
         conversations = max(1, -(-args.num_prompts // args.turns))
         turns = multi_turn_workload(
-            args.seed, conversations, args.turns, args.input_len, args.output_len, tokenizer
+            seed, conversations, args.turns, args.input_len, args.output_len, tokenizer
         )
         return turns[: args.num_prompts]
-    return random_workload(args.seed, n, args.input_len, args.output_len, args.range_ratio, tokenizer)
+    return random_workload(seed, n, args.input_len, args.output_len, args.range_ratio, tokenizer)
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -48,22 +49,27 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "soak":
+        from hybridserve.bench.soak import run_soak
+
+        return run_soak(args)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     ep = Endpoint(
         args.base_url, _model_name(args), args.endpoint, args.api_key, not args.no_ignore_eos, extra
     )
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    requests = _workload(args, tokenizer)
     warm = 0 if args.workload == "multi-turn" else args.warmup
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else [args.max_concurrency]
     slo = Slo.parse(args.slo)
     points: list[tuple[int, BenchSummary]] = []
-    for level in levels:
+    for i, level in enumerate(levels):
+        # Fresh prompts per level: a server's prefix cache must not profit from an earlier level.
+        requests = _workload(args, tokenizer, args.seed + 7919 * i)
         before = scrape_counters(args.base_url, args.api_key)
         results, duration = asyncio.run(
             run_workload(
                 ep,
-                requests[warm:],
+                requests,
                 args.request_rate,
                 level,
                 args.seed,
@@ -81,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "output_len": args.output_len,
             "request_rate": args.request_rate,
             "max_concurrency": level,
-            "seed": args.seed,
+            "seed": args.seed + 7919 * i,
         }
         summary = summarize(results, duration, slo, config)
         after = scrape_counters(args.base_url, args.api_key)

@@ -23,11 +23,15 @@ async def run_workload(
     warmup: int = 0,
     progress: bool = True,
 ) -> tuple[list[RequestResult], float]:
-    """Send ``warmup`` requests one by one (not measured), then the workload; -> (results, seconds)."""
+    """Send the first ``warmup`` requests one by one (not measured), then the rest; -> (results, seconds).
+
+    Warm-up prompts are never measured, so a prefix cache cannot profit from having seen them.
+    """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         for r in requests[:warmup]:
             await send(client, ep, r.prompt, r.output_len, r.messages)
+        requests = requests[warmup:]
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", disable=not progress)
         start = time.perf_counter()

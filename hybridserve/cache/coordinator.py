@@ -37,8 +37,14 @@ class KvCacheCoordinator:
     """
 
     def __init__(
-        self, plan: CachePlan, pools: BlockPoolSet, enable_prefix_caching: bool = True, lookback: int = 0
+        self,
+        plan: CachePlan,
+        pools: BlockPoolSet,
+        enable_prefix_caching: bool = True,
+        lookback: int = 0,
+        hash_salt: bytes = b"",
     ) -> None:
+        self.hash_salt = hash_salt  # e.g. the cache dtype: rows of another representation never match
         self.plan = plan
         self.pools = pools
         self.enable_prefix_caching = enable_prefix_caching
@@ -165,7 +171,7 @@ class KvCacheCoordinator:
         """
         if not self.enable_prefix_caching:
             return PrefixHit()
-        hashes = block_hashes(token_ids, self.block_tokens)
+        hashes = block_hashes(token_ids, self.block_tokens, salt=self.hash_salt)
         max_blocks = min(len(hashes), (len(token_ids) - 1) // self.block_tokens)
         n = self._history_run(hashes[:max_blocks])
         while n > 0:
@@ -212,7 +218,7 @@ class KvCacheCoordinator:
         for g in self.plan.groups:
             req.recycled[g.spec.name] = self._first_needed(g, hit.num_tokens)
         n = hit.num_tokens // self.block_tokens
-        req.hashes = block_hashes(token_ids[: hit.num_tokens], self.block_tokens)
+        req.hashes = block_hashes(token_ids[: hit.num_tokens], self.block_tokens, salt=self.hash_salt)
         req.num_published = n
         self._requests[req_id] = req
 
@@ -226,7 +232,7 @@ class KvCacheCoordinator:
             return
         parent = req.hashes[-1] if req.hashes else b""
         req.hashes += block_hashes(
-            token_ids[: full * self.block_tokens], self.block_tokens, parent, len(req.hashes)
+            token_ids[: full * self.block_tokens], self.block_tokens, parent, len(req.hashes), self.hash_salt
         )
         for j in range(req.num_published, full):
             for name, table in req.tables.items():

@@ -33,6 +33,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(1, plan.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
+        self.num_evicted = 0  # cached blocks handed out again (their prefix forgotten)
 
     @property
     def num_blocks(self) -> int:
@@ -63,6 +64,7 @@ class BlockPool:
         else:
             block, _ = self._evictable.popitem(last=False)
             self._uncache(block)
+            self.num_evicted += 1
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block

@@ -15,6 +15,7 @@ from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
+from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
 from hybridserve.engine.rejection_sampler import Verified
 from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
@@ -22,6 +23,8 @@ from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.structured import StructuredOutputs
+from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -40,6 +43,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
 @dataclass
@@ -56,6 +60,7 @@ class PoolUsage:
     used: int
     total: int
     cached: int
+    evicted: int = 0
 
 
 @dataclass
@@ -84,10 +89,14 @@ class EngineCore:
         self.device = config.torch_device()
         raw = read_config(config.model)
         self.dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(
+            config.model, self.dtype, self.device, not config.dequantize_weights, config.native_fp8_matmul
+        )
         self.plan = self._build_plan()
         self.pools = BlockPoolSet(self.plan, self.device)
-        self.coordinator = KvCacheCoordinator(self.plan, self.pools, config.enable_prefix_caching)
+        self.coordinator = KvCacheCoordinator(
+            self.plan, self.pools, config.enable_prefix_caching, hash_salt=self._cache_salt()
+        )
         self.scheduler = Scheduler(
             self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
         )
@@ -95,9 +104,10 @@ class EngineCore:
         self.limits = RequestLimits(
             self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens()
         )
+        self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
+        self.structured = StructuredOutputs(config.model, self.model.cfg.vocab_size, self.eos_token_ids)
         self.runner = self._build_runner()
         self.spec = self._build_spec_decoder()
-        self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
 
@@ -111,7 +121,7 @@ class EngineCore:
             self.model,
             self.pools,
             self.coordinator,
-            Sampler(self.config.seed),
+            Sampler(self.config.seed, self.structured),
             self.device,
             decode_graphs=accelerate,
             max_num_seqs=self.config.max_num_seqs,
@@ -129,14 +139,26 @@ class EngineCore:
             self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k, control
         )
 
+    def _cache_salt(self) -> bytes:
+        """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
+        return f"kv:{self.config.kv_cache_dtype}:{self.dtype}".encode()
+
     def _build_plan(self) -> CachePlan:
+        if self.config.kv_cache_dtype == "fp8" and (why := fp8_supported(self.device)) is not None:
+            raise ValueError(
+                f"--kv-cache-dtype fp8: {self.device} cannot store float8_e4m3fn tensors ({why}); serve "
+                "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
+                "per token)"
+            )
         spec = self.config.speculative
         if spec is not None and not self.model.mtp:
             raise ValueError(
                 f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
                 f"{self.config.model} has none; serve it without --speculative-config"
             )
-        specs = self.model.cache_specs(include_mtp=spec is not None)
+        specs = self.model.cache_specs(
+            include_mtp=spec is not None, kv_cache_dtype=self.config.kv_cache_dtype
+        )
         block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
         return build_plan(
             specs,
@@ -160,6 +182,7 @@ class EngineCore:
             request.prompt_token_ids
         )
         request.eos_token_ids = self.eos_token_ids
+        self.structured.add_request(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -168,6 +191,8 @@ class EngineCore:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use", param=None)
         self.limits.check(request.prompt_token_ids, request.params)
+        if request.params.structured_outputs is not None:
+            self.structured.compile(request.params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if it is unknown or already done."""
@@ -299,6 +324,8 @@ class EngineCore:
         output = EngineCoreOutput(
             req.request_id, tokens, logprobs or None, reason, stop_reason, req.num_cached_tokens
         )
+        if len(req.output_token_ids) == len(tokens):  # the request's first tokens
+            output.prompt_logprobs = prompt_logprobs_of(req)
         return output, reason
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
@@ -327,9 +354,12 @@ class EngineCore:
         reason, stop_reason = self._stop(req, res.token_id)
         if reason is not None:
             self.finish_request(req.request_id, reason, stop_reason)
-        return EngineCoreOutput(
+        out = EngineCoreOutput(
             req.request_id, [res.token_id], logprobs, reason, stop_reason, req.num_cached_tokens
         )
+        if len(req.output_token_ids) == 1:
+            out.prompt_logprobs = prompt_logprobs_of(req)
+        return out
 
     def _stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
         p = req.params
@@ -339,6 +369,8 @@ class EngineCore:
                 return FinishReason.STOP, None
             if token in p.stop_token_ids:
                 return FinishReason.STOP, token
+        if p.structured_outputs is not None and self.structured.is_terminated(req):
+            return FinishReason.STOP, None  # the grammar is complete (its stop token was ignore_eos'd)
         if n_out >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
             return FinishReason.LENGTH, None
         return None, None
@@ -352,7 +384,8 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         pools = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached) for n, p in self.pools.pools.items()
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),

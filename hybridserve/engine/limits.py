@@ -41,6 +41,10 @@ class RequestLimits:
             raise RequestRejected(
                 f"stop_token_ids must be in [0, {vocab})", "invalid_value", "stop_token_ids"
             )
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise RequestRejected(
+                f"logit_bias token ids must be in [0, {vocab})", "invalid_value", "logit_bias"
+            )
 
     def _check_length(self, num_prompt: int, max_tokens: int | None) -> None:
         limit = self.max_request_tokens

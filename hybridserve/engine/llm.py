@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -12,7 +14,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from hybridserve.tokenizer import Tokenizer, load_tokenizer
+from hybridserve.tokenizer import Tokenizer, load_chat_template, load_tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -40,14 +42,50 @@ class LLM:
         prompt_list = _as_list(prompts)
         params = _params_list(sampling_params, len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
-        order: list[str] = []
-        for prompt, p in zip(prompt_list, params, strict=True):
-            request = self._request(prompt, p)
-            self.engine.add_request(request)
-            processor.add_request(request)
-            order.append(request.request_id)
+        order: list[list[str]] = []  # per prompt, its n requests
+        try:
+            for prompt, p in zip(prompt_list, params, strict=True):
+                order.append([self._add(self._request(prompt, q), processor) for q in _choices(p)])
+            done = self._run(processor, sum(map(len, order)), use_tqdm)
+        except BaseException:
+            for request_id in (r for rs in order for r in rs):
+                self.engine.abort_request(request_id)
+            raise
+        return [_merged([done[r] for r in rs]) for rs in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several, in the chat template
+        (``chat_template`` instead of the checkpoint's, if given; ``tools`` as OpenAI tool definitions)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} ships no tokenizer.json, so chat is unavailable")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            tokenizer = copy.copy(self.tokenizer)
+            tokenizer.chat_template = load_chat_template(chat_template)
+        extra = {"tools": tools} if tools else {}
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            ids, _ = tokenizer.encode_chat(list(conversation), add_generation_prompt, **extra)  # type: ignore[arg-type]
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add(self, request: Request, processor: OutputProcessor) -> str:
+        self.engine.add_request(request)
+        processor.add_request(request)
+        return request.request_id
+
+    def _run(self, processor: OutputProcessor, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
+        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 outputs, stopped = processor.process(self.engine.step())
                 for request_id, stop in stopped:
@@ -56,7 +94,7 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[i] for i in order]
+        return done
 
     def _request(self, prompt: PromptType, params: SamplingParams) -> Request:
         request_id = str(next(self._ids))
@@ -69,6 +107,20 @@ class LLM:
                 raise ValueError(f"{self.config.model} ships no tokenizer.json: pass token-id prompts")
             return Request(request_id, self.tokenizer.encode(prompt), params, prompt=prompt)
         return Request(request_id, list(prompt), params)
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """One request per choice; with a seed, choice j draws with seed + j (as the server does)."""
+    if params.n == 1:
+        return [params]
+    return [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(params.n)]
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """The n outputs of one prompt as one RequestOutput (vLLM's shape: ``outputs[j]`` is choice j)."""
+    first = outs[0]
+    completions = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    return replace(first, outputs=completions, finished=all(o.finished for o in outs))
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridserve.engine.core import EngineCoreOutput
-from hybridserve.engine.request import CompletionOutput, FinishReason, Request, RequestOutput, SampleLogprobs
+from hybridserve.engine.request import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    Request,
+    RequestOutput,
+    SampleLogprobs,
+)
 from hybridserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -25,6 +32,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # as the engine reports it (the request object may live in another process)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def holdback(self) -> int:
@@ -77,6 +85,10 @@ class OutputProcessor:
         decoding): a stop string ends the output at the token that completes it, as one token per
         step would."""
         state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            for entry in out.prompt_logprobs:
+                self._name_tokens(entry or {})
+            state.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             state.finish_reason, state.stop_reason = out.finish_reason.value, out.stop_reason
         logprobs = out.new_logprobs if state.logprobs is not None else None
@@ -141,4 +153,5 @@ class OutputProcessor:
             state.num_cached_tokens,
             list(new_ids),
             delta,
+            state.prompt_logprobs,
         )

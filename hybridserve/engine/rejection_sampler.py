@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import (
@@ -28,6 +29,7 @@ from hybridserve.engine.sampler import (
     _penalises,
     _results,
 )
+from hybridserve.engine.structured import unpack_bitmask
 
 
 @dataclass
@@ -61,13 +63,16 @@ class RejectionSampler:
         self.sampler = sampler
 
     def _distributions(
-        self, logits: torch.Tensor, views: list[Request]
+        self, logits: torch.Tensor, views: list[Request], grammar: list[tuple[Request, list[int]]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """-> (raw finite logits, best tokens, normalised probabilities of the rows; None if all greedy)."""
+        """-> (raw finite logits, best tokens, normalised probabilities of the rows; None if all greedy).
+
+        ``grammar[row]``: the request whose grammar masks the row and the drafts before the row."""
         raw = _finite(logits.float())
         self.sampler._history.release_finished()
-        penalised = self.sampler._penalised(raw, views)
-        best = _best_tokens(penalised, raw)
+        allowed = self._grammar_masked(raw, grammar)
+        penalised = self.sampler._penalised(allowed, views)
+        best = _best_tokens(penalised, allowed)
         if all(v.params.greedy for v in views):
             return raw, best, None
         weights = _filtered_weights(penalised, _Filters.of(views, raw.shape[1], raw.device))
@@ -77,11 +82,29 @@ class RejectionSampler:
         probs = torch.where(usable, weights / total.clamp(min=torch.finfo(weights.dtype).tiny), onehot)
         return raw, best, probs
 
+    def _grammar_masked(self, logits: torch.Tensor, grammar: list[tuple[Request, list[int]]]) -> torch.Tensor:
+        """``logits`` with what each constrained row's grammar refuses (after its drafts) at -inf."""
+        structured = self.sampler.structured
+        rows = [i for i, (r, _) in enumerate(grammar) if r.params.structured_outputs is not None]
+        if structured is None or not rows:
+            return logits
+        structured.release_finished()
+        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+        for k, i in enumerate(rows):
+            req, drafts = grammar[i]
+            scratch = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[1])
+            structured.fill_bitmask(req, scratch, 0, drafts)
+            bitmask[k] = scratch[len(drafts)]
+        ok = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
+        at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return logits.index_copy(0, at, logits.index_select(0, at).masked_fill(~ok, float("-inf")))
+
     def draft(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
         """One draft token per row of the drafter's ``logits`` (after each request's drafts so far); and
         q, the rows' distributions (None when every row is greedy)."""
         views = [with_drafts(r, r.spec_token_ids) for r in requests]
-        _, best, probs = self._distributions(logits, views)
+        grammar = [(r, list(r.spec_token_ids)) for r in requests]
+        _, best, probs = self._distributions(logits, views, grammar)
         tokens = best.tolist()
         if probs is None:
             return tokens, None
@@ -91,12 +114,13 @@ class RejectionSampler:
 
     def verify(self, logits: torch.Tensor, requests: list[Request], num_drafts: list[int]) -> list[Verified]:
         """``logits``: 1 + num_drafts[r] rows per request, the target at each drafted position and after."""
-        views = [
-            with_drafts(req, req.spec_token_ids[:i])
+        rows = [
+            (req, req.spec_token_ids[:i])
             for req, n in zip(requests, num_drafts, strict=True)
             for i in range(n + 1)
         ]
-        raw, best, probs = self._distributions(logits, views)
+        views = [with_drafts(req, drafts) for req, drafts in rows]
+        raw, best, probs = self._distributions(logits, views, rows)
         best_ids = best.tolist()
         offsets = [0]
         for n in num_drafts:

@@ -26,9 +26,37 @@ class RequestStatus(Enum):
 
 
 @dataclass
-class SamplingParams:
-    """Per-request sampling; defaults follow vLLM (temperature 1.0, max_tokens 16)."""
+class StructuredOutputsParams:
+    """One output constraint (vLLM's shape): a JSON schema, any JSON object, a regex, one of some
+    strings, an EBNF grammar (GBNF / xgrammar dialect) or a structural tag."""
 
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None  # xgrammar's structural tag, as JSON (tool calls use it)
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.regex is not None, self.choice is not None]
+        given += [self.grammar is not None, self.json_object, self.structural_tag is not None]
+        if sum(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object, "
+                "structural_tag"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs choice needs at least one string")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling; defaults follow vLLM (temperature 1.0, max_tokens 16).
+
+    ``n`` is read by the offline ``LLM`` (n sequences per prompt, consecutive seeds); the server fans out
+    its own ``n``, and the engine runs one sequence per request."""
+
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -45,6 +73,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n >= 0: chosen token plus the top n
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob plus the top n
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +88,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
+            (self.n >= 1, "n must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1, 0 (off) or positive"),
@@ -71,6 +103,14 @@ class SamplingParams:
                 "min_tokens must be <= max_tokens",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
+            (
+                all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, "seed must fit in 64 bits"),
         ]
@@ -114,6 +154,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputTokens(list[int]):
@@ -209,6 +250,7 @@ class Request:
     # that sample at random, the distribution [len(spec_token_ids), V] each draft was drawn from.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # position p: token p + 1
 
     def __post_init__(self) -> None:
         self.output_token_ids = OutputTokens(self.prompt_token_ids, self.output_token_ids)

@@ -8,6 +8,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.batch import build_forward_batch
 from hybridserve.engine.decode_graphs import DecodeGraphRunner
+from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
@@ -47,6 +48,7 @@ class ModelRunner:
             return self._execute_decode(out, self.decode_graphs)
         batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
         streams = self.model(batch, self.cache)
+        gather_prompt_logprobs(self.model, out.scheduled, streams)
         sampling = [s.request for s in out.scheduled if s.samples]
         if not sampling:
             return []

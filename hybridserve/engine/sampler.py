@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hybridserve.engine.request import Logprob, Request, SamplingParams
+from hybridserve.engine.structured import StructuredOutputs
 
 _F32 = torch.finfo(torch.float32)
 _NEG_INF = float("-inf")
@@ -40,8 +41,9 @@ class Sampler:
     depend on what else is in the batch; the others share the sampler's generator (one per device).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, structured: StructuredOutputs | None = None) -> None:
         self.seed = seed
+        self.structured = structured  # grammar masks of structured-output requests
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
         self._history = _TokenHistory()
@@ -50,14 +52,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         logits = _finite(logits.float())
         self._history.release_finished()
-        penalised = self._penalised(logits, requests)
-        best = _best_tokens(penalised, logits)
+        # Grammar masks first, so that even the fallback of a row with every token banned obeys them.
+        allowed = self.structured.apply(logits, requests) if self.structured is not None else logits
+        penalised = self._penalised(allowed, requests)
+        best = _best_tokens(penalised, allowed)
         tokens = self._choose(penalised, best, requests)
         return _results(tokens, logits, requests)
 
     def _penalised(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The logits after min_tokens bans and penalties; ``logits`` itself when no row has either."""
-        out = _banned(logits, requests)
+        out = _biased(_banned(logits, requests), requests)
         rows = [i for i, r in enumerate(requests) if _penalises(r.params)]
         if not rows:
             return out
@@ -321,6 +325,23 @@ def _banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits.index_put((at[0], at[1]), logits.new_full((), _NEG_INF))
 
 
+def _biased(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` plus each request's logit_bias (a copy), or ``logits`` itself when no request has one."""
+    rows: list[int] = []
+    ids: list[int] = []
+    bias: list[float] = []
+    for i, req in enumerate(requests):
+        for tid, b in (req.params.logit_bias or {}).items():
+            if 0 <= tid < logits.shape[1]:
+                rows.append(i)
+                ids.append(tid)
+                bias.append(b)
+    if not rows:
+        return logits
+    at = _tensor([rows, ids], torch.long, logits.device)
+    return logits.index_put((at[0], at[1]), _tensor(bias, logits.dtype, logits.device), accumulate=True)
+
+
 def _min_tokens_bans(requests: list[Request], vocab: int) -> tuple[list[int], list[int]]:
     """(rows, ids) of the stop and EOS ids banned while a request is short of its min_tokens."""
     rows: list[int] = []
@@ -374,8 +395,10 @@ def _filtered_weights(logits: torch.Tensor, filters: _Filters) -> torch.Tensor:
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[1], device=probs.device)[None]
+    # As vLLM: top-p measures the mass that top-k kept, not the whole distribution's.
+    sorted_p = sorted_p.masked_fill(ranks >= top_k[:, None], 0)
     cum = sorted_p.cumsum(dim=-1)
-    drop = (ranks >= top_k[:, None]) | ((cum - sorted_p) > top_p[:, None] * cum[:, -1:])
+    drop = (cum - sorted_p) > top_p[:, None] * cum[:, -1:]
     drop[:, 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)

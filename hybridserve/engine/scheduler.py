@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.coordinator import KvCacheCoordinator, PrefixHit
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.request import Request, RequestStatus
 
@@ -227,7 +227,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.coordinator.has_request(req.request_id):
-                hit = self.coordinator.probe(req.all_token_ids)
+                # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+                wants_all = req.params.prompt_logprobs is not None
+                hit = PrefixHit() if wants_all else self.coordinator.probe(req.all_token_ids)
                 if hit.num_tokens:
                     self.coordinator.admit_prefix(req.request_id, hit, req.all_token_ids)
                 req.num_computed_tokens = hit.num_tokens

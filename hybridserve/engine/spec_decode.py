@@ -22,6 +22,7 @@ import torch
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.batch import _block_tables, build_forward_batch
+from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.engine.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import Sampler
@@ -77,6 +78,7 @@ class SpecDecoder:
         """Trunk forward over every scheduled token; one Verified per scheduled request that samples."""
         batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
         self._streams = self.model(batch, self.cache)
+        gather_prompt_logprobs(self.model, out.scheduled, self._streams)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return []

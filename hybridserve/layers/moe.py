@@ -66,11 +66,11 @@ class Router(nn.Module):
         return weights * self.scaling, indices
 
 
-def _grouped_mm_is_async(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def _grouped_mm_is_async(x: torch.Tensor, hidden: int, inter: int) -> bool:
     """Whether ``F.grouped_mm`` runs here without a host sync: on CPU, and in bf16 on sm90/sm100 (its
     CUTLASS kernel); elsewhere torch falls back to copying the offsets to the host. Rows must be 16-byte
     aligned, and torch.compile traces it in bf16 only."""
-    if (gate_up.shape[-1] * x.element_size()) % 16 or (down.shape[-1] * x.element_size()) % 16:
+    if (hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
         return False
     if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         return False
@@ -90,7 +90,7 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up = _weight(n_experts, 2 * inter, hidden)
         self.down = _weight(n_experts, hidden, inter)
-        self.limit = limit
+        self.hidden, self.inter, self.limit = hidden, inter, limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each token sums its experts' outputs one by one in x's dtype, in ascending expert id order
@@ -104,7 +104,7 @@ class Experts(nn.Module):
         """[T, D], expert ids [T, k] -> each (token, slot)'s expert output [T, k, D]. Chosen by device,
         dtype and shapes only: grouped where that has no host sync; else gathered weights while their T*k
         copies are fewer than the experts, else every expert on every token."""
-        if _grouped_mm_is_async(x, self.gate_up, self.down):
+        if _grouped_mm_is_async(x, self.hidden, self.inter):
             return self._grouped(x, experts)
         if experts.numel() < self.gate_up.shape[0]:
             return self._gathered(x, experts)
@@ -115,21 +115,34 @@ class Experts(nn.Module):
         over experts would do); the group offsets stay on the device."""
         k = experts.shape[1]
         sorted_ids, order = experts.flatten().sort(stable=True)
-        ids = torch.arange(self.gate_up.shape[0], device=x.device, dtype=sorted_ids.dtype)
-        offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
-        gate, up = F.grouped_mm(x[order // k], self.gate_up.mT, offs=offs).chunk(2, dim=-1)
-        y = F.grouped_mm(clamped_swiglu(gate, up, self.limit), self.down.mT, offs=offs)
+        ids, offs = self._groups(sorted_ids)
+        gate_up, down = self.weights(ids)
+        gate, up = F.grouped_mm(x[order // k], gate_up.mT, offs=offs).chunk(2, dim=-1)
+        y = F.grouped_mm(clamped_swiglu(gate, up, self.limit), down.mT, offs=offs)
         return torch.empty_like(y).index_copy_(0, order, y).view(*experts.shape, y.shape[-1])
+
+    def _groups(self, sorted_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(weights' experts, None for all; group end offsets) of rows sorted by expert: one group each."""
+        ids = torch.arange(self.gate_up.shape[0], device=sorted_ids.device, dtype=sorted_ids.dtype)
+        return None, torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+
+    def weights(self, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up`` and ``down`` of experts ``ids`` (any shape; every expert when None)."""
+        if ids is None:
+            return self.gate_up, self.down
+        return self.gate_up[ids], self.down[ids]
 
     def _gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) row times its own copy of its expert's weights: T*k copies, for few rows."""
-        gate, up = (x[:, None, None, :] @ self.gate_up[experts].mT).chunk(2, dim=-1)
-        return (clamped_swiglu(gate, up, self.limit) @ self.down[experts].mT).squeeze(2)
+        gate_up, down = self.weights(experts)
+        gate, up = (x[:, None, None, :] @ gate_up.mT).chunk(2, dim=-1)
+        return (clamped_swiglu(gate, up, self.limit) @ down.mT).squeeze(2)
 
     def _dense(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then each token's own picked: E/k times the flops needed."""
-        gate, up = (x @ self.gate_up.mT).chunk(2, dim=-1)
-        y = (clamped_swiglu(gate, up, self.limit) @ self.down.mT).transpose(0, 1)
+        gate_up, down = self.weights(None)
+        gate, up = (x @ gate_up.mT).chunk(2, dim=-1)
+        y = (clamped_swiglu(gate, up, self.limit) @ down.mT).transpose(0, 1)
         return y.gather(1, experts[..., None].expand(-1, -1, y.shape[-1]))
 
 

@@ -9,7 +9,7 @@ transformers 5.23 ``DeepseekV4ForCausalLM``, including its dtype rules.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,9 +17,11 @@ from torch import nn
 from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.attention import sink_attention
 from hybridserve.layers.forward_batch import ForwardBatch
+from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
 from hybridserve.layers.moe import MoE
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
+from hybridserve.layers.quantized_linear import dense_weight
 from hybridserve.layers.rope import Rotary, apply_rope
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from hybridserve.models.deepseek_v4_meta import (
@@ -35,6 +37,7 @@ from hybridserve.models.deepseek_v4_meta import (
 )
 
 CacheTensors = dict[tuple[str, str, str], torch.Tensor]
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -140,9 +143,8 @@ class Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(q_res).view(-1, self.heads, self.head_dim), self.cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
-        window = cache[(WINDOW_KV, self.key, "kv")]
-        window.index_copy_(0, meta.token_slots[WINDOW_KV], kv)
-        keys, visible = window[meta.window_slots], meta.window_visible
+        write_rows(cache, (WINDOW_KV, self.key, "kv"), meta.token_slots[WINDOW_KV], kv)
+        keys, visible = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots), meta.window_visible
         if self.compressor is not None:
             ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache)
             keys, visible = torch.cat([keys, ckeys], dim=1), torch.cat([visible, cvisible], dim=1)
@@ -153,7 +155,7 @@ class Attention(nn.Module):
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         g = self.cfg.o_groups
         x = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, in]
-        w = self.wo_a.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
+        w = dense_weight(self.wo_a, x.dtype).view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
         return torch.bmm(x, w).transpose(0, 1).flatten(1)
 
     def _compressed_keys(
@@ -177,7 +179,7 @@ class Attention(nn.Module):
                 HCA_ROWS,
                 ("kv", "gate", "kv"),
             )
-            return cache[(HCA_ROWS, self.key, "kv")][hm.read_slots], hm.read_visible
+            return read_rows(cache, (HCA_ROWS, self.key, "kv"), hm.read_slots), hm.read_visible
         assert meta.csa is not None
         cm, slots = meta.csa, meta.token_slots[CSA_STATE]
         self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"))
@@ -191,10 +193,10 @@ class Attention(nn.Module):
             CSA_ROWS,
             ("idx_kv", "idx_gate", "idx"),
         )
-        idx_keys = cache[(CSA_ROWS, self.key, "idx")][cm.read_slots]
+        idx_keys = read_rows(cache, (CSA_ROWS, self.key, "idx"), cm.read_slots)
         picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"])
         rows = cm.read_slots.gather(1, picked.clamp(max=max(cm.read_slots.shape[1] - 1, 0)))
-        return cache[(CSA_ROWS, self.key, "kv")][rows], ok
+        return read_rows(cache, (CSA_ROWS, self.key, "kv"), rows), ok
 
     def _pool(
         self,
@@ -215,7 +217,7 @@ class Attention(nn.Module):
         if new is None:
             return
         pooled = comp.compress(kv_rows[new.src_slots], gate_rows[new.src_slots], new.src_valid)
-        cache[(rows, self.key, fields[2])].index_copy_(0, new.slots, apply_rope(pooled, *new.rope))
+        write_rows(cache, (rows, self.key, fields[2]), new.slots, apply_rope(pooled, *new.rope))
 
 
 class DecoderLayer(nn.Module):
@@ -295,8 +297,8 @@ class DeepseekV4Model(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{i}") for i in range(cfg.num_nextn_predict_layers))
         self._rotary: dict[str, Rotary] = {}
 
-    def cache_specs(self, include_mtp: bool = False) -> list[CacheGroupSpec]:
-        return cache_specs(self.cfg, self.dtype, include_mtp)
+    def cache_specs(self, include_mtp: bool = False, kv_cache_dtype: str = "auto") -> list[CacheGroupSpec]:
+        return cache_specs(self.cfg, self.dtype, include_mtp, kv_cache_dtype)
 
     def rotary(self) -> dict[str, Rotary]:
         device = self.head.weight.device
@@ -339,7 +341,8 @@ class DeepseekV4Model(nn.Module):
         # The MTP block is a plain sliding-window layer: it reads its own group as the window group.
         tables = {WINDOW_KV: batch.block_tables[MTP_KV]}
         view = dataclasses.replace(batch, block_tables=tables)
-        own = {(WINDOW_KV, layer.block.attn.key, "kv"): cache[(MTP_KV, layer.block.attn.key, "kv")]}
+        key = layer.block.attn.key  # every field of its rows (FP8 rows have several)
+        own = {(WINDOW_KV, k[1], k[2]): t for k, t in cache.items() if k[0] == MTP_KV and k[1] == key}
         embeds = self.embed_tokens(batch.input_ids)
         return layer(streams, embeds, batch.input_ids, self.attention_meta(view), own, self.rotary())
 
@@ -380,11 +383,11 @@ class DeepseekV4Model(nn.Module):
         """Every key ``load_weights`` must fill for the model to be complete."""
         keys: set[str] = set()
         for name, _ in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.endswith("experts.gate_up"):
+            if name.endswith(("experts.gate_up", "experts.gate_up_scale")):
                 keys.update(
                     _fill_key(name, e, w) for e in range(self.cfg.n_routed_experts) for w in ("w1", "w3")
                 )
-            elif name.endswith("experts.down"):
+            elif name.endswith(("experts.down", "experts.down_scale")):
                 keys.update(_fill_key(name, e, None) for e in range(self.cfg.n_routed_experts))
             else:
                 keys.add(name)
@@ -394,7 +397,7 @@ class DeepseekV4Model(nn.Module):
         """Cast weights to ``dtype`` except those the reference keeps in float32 (norms, hc, sinks...)."""
         self.dtype = dtype
         for p in self.parameters():
-            if not getattr(p, "keep_fp32", False):
+            if not getattr(p, "keep_fp32", False) and not getattr(p, "quantized", False):
                 p.data = p.data.to(dtype)
 
 
@@ -423,10 +426,11 @@ def checkpoint_to_param(disk_name: str) -> tuple[str, int | None, str | None]:
         name = _mtp_name(name)
     if ".ffn.experts." in name:
         prefix, rest = name.split(".ffn.experts.")
-        expert, which = rest.split(".")[:2]
+        expert, which, kind = ([*rest.split("."), ""])[:3]
+        suffix = "_scale" if kind == "scale" else ""  # a quantized expert's scale grid
         if which == "w2":
-            return f"{prefix}.ffn.experts.down", int(expert), None
-        return f"{prefix}.ffn.experts.gate_up", int(expert), which
+            return f"{prefix}.ffn.experts.down{suffix}", int(expert), None
+        return f"{prefix}.ffn.experts.gate_up{suffix}", int(expert), which
     return name, None, None
 
 
@@ -440,9 +444,14 @@ def _mtp_name(name: str) -> str:
     return f"mtp.{idx}.block.{rest}"
 
 
-def cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype, include_mtp: bool = False) -> list[CacheGroupSpec]:
-    """Every kind of per-request state the model keeps, as cache groups."""
+def cache_specs(
+    cfg: DeepseekV4Config, dtype: torch.dtype, include_mtp: bool = False, kv_cache_dtype: str = "auto"
+) -> list[CacheGroupSpec]:
+    """Every kind of per-request state the model keeps, as cache groups. With ``kv_cache_dtype`` "fp8",
+    the window KV, compressed rows and indexer keys are stored FP8 (see ``fp8_rows``); the compressor
+    inputs stay in ``dtype``, as DeepSeek keeps its compressor state in full precision."""
     d, i = cfg.head_dim, cfg.index_head_dim
+    kv = _kv_fields(cfg, dtype, kv_cache_dtype)
     layers = [f"layers.{n}" for n in range(cfg.num_hidden_layers)]
     csa = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == CSA]
     hca = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == HCA]
@@ -451,18 +460,16 @@ def cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype, include_mtp: bool = F
             WINDOW_KV,
             GroupKind.WINDOW,
             1,
-            (RowField("kv", d, dtype),),
+            kv("kv", d),
             tuple(layers),
             window_tokens=cfg.sliding_window - 1,
         )
     ]
     if include_mtp and cfg.num_nextn_predict_layers:
         mtp = tuple(f"mtp.{n}" for n in range(cfg.num_nextn_predict_layers))
-        kv = (RowField("kv", d, dtype),)
+        window = cfg.sliding_window - 1
         specs.append(
-            CacheGroupSpec(
-                MTP_KV, GroupKind.WINDOW, 1, kv, mtp, window_tokens=cfg.sliding_window - 1, draft=True
-            )
+            CacheGroupSpec(MTP_KV, GroupKind.WINDOW, 1, kv("kv", d), mtp, window_tokens=window, draft=True)
         )
     if csa:
         m = cfg.compress_rates[CSA]
@@ -473,14 +480,32 @@ def cache_specs(cfg: DeepseekV4Config, dtype: torch.dtype, include_mtp: bool = F
         specs.append(
             CacheGroupSpec(CSA_STATE, GroupKind.WINDOW, 1, state, tuple(csa), window_tokens=2 * m - 1)
         )
-        rows = (RowField("kv", d, dtype), RowField("idx", i, dtype))
+        rows = kv("kv", d) + kv("idx", i)
         specs.append(CacheGroupSpec(CSA_ROWS, GroupKind.HISTORY, m, rows, tuple(csa)))
     if hca:
         m = cfg.compress_rates[HCA]
         state = (RowField("kv", d, dtype), RowField("gate", d, dtype))
         specs.append(CacheGroupSpec(HCA_STATE, GroupKind.WINDOW, 1, state, tuple(hca), window_tokens=m - 1))
-        specs.append(CacheGroupSpec(HCA_ROWS, GroupKind.HISTORY, m, (RowField("kv", d, dtype),), tuple(hca)))
+        specs.append(CacheGroupSpec(HCA_ROWS, GroupKind.HISTORY, m, kv("kv", d), tuple(hca)))
     return specs
+
+
+def _kv_fields(
+    cfg: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str
+) -> Callable[[str, int], tuple[RowField, ...]]:
+    """(name, width) -> the fields of a KV-like row: one in ``dtype``, or FP8's three parts."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    rope = cfg.rope_head_dim
+    if kv_cache_dtype == "fp8" and any(r.rope_dim != rope for r in cfg.rope.values()):
+        raise ValueError("an FP8 KV cache needs one rope width for every attention kind")
+
+    def fields(name: str, width: int) -> tuple[RowField, ...]:
+        if kv_cache_dtype != "fp8" or width <= rope:
+            return (RowField(name, width, dtype),)
+        return tuple(RowField(name + sfx, w, dt or dtype) for sfx, w, dt in fp8_widths(width, rope))
+
+    return fields
 
 
 __all__ = ["DeepseekV4Model", "cache_specs", "checkpoint_to_param"]

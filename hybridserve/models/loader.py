@@ -1,4 +1,5 @@
-"""Hugging Face folder -> model with weights (safetensors; FP8/FP4 checkpoints are dequantised)."""
+"""Hugging Face folder -> model with weights (safetensors; FP8/FP4 weights stay quantized, or are
+dequantised at load with ``keep_quantized=False``)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,26 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
-from hybridserve.models.quant import dequantize, is_scale_tensor
+from hybridserve.layers.quantized_linear import QuantLinear
+from hybridserve.models.deepseek_v4 import DeepseekV4Model, checkpoint_to_param
+from hybridserve.models.quant import (
+    QuantizedModule,
+    QuantizedTensor,
+    check_quantization_config,
+    dequantize,
+    header,
+    is_scale_tensor,
+    keep_quantized_,
+    quantized_tensor,
+    scale_name,
+    scale_of,
+)
 from hybridserve.models.registry import resolve
 
 _PROGRESS_MIN_BYTES = 256 << 20
@@ -29,9 +43,24 @@ def read_config(folder: str | Path) -> dict:
     return dict(json.loads(path.read_text()))
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DeepseekV4Model:
-    """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong."""
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    keep_quantized: bool = True,
+    native_fp8: bool = False,
+) -> DeepseekV4Model:
+    """Build the model for ``folder`` on ``device`` and fill every weight, or raise naming what is wrong.
+
+    FP8 / FP4 weights of linears and routed experts stay quantized in memory (dequantised per layer at
+    use) unless ``keep_quantized`` is False; other quantized tensors are dequantised here. With
+    ``native_fp8``, FP8 linears multiply natively where the device supports it (CUDA sm90+).
+    """
     raw = read_config(folder)
+    try:
+        check_quantization_config(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
     config_cls, model_cls = resolve(raw.get("model_type"))
     cfg = config_cls.from_dict(raw)
     mtp_layers = _mtp_layers_present(Path(folder))
@@ -40,10 +69,11 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
     with torch.device("meta"):
         model = model_cls(cfg)
+    resident = _keep_quantized(model, Path(folder), dtype) if keep_quantized else set()
     model.cast_(dtype)
     model.to_empty(device=device)
     unknown: list[str] = []
-    filled = model.load_weights(_tensors(Path(folder)), unknown)
+    filled = model.load_weights(_tensors(Path(folder), resident), unknown)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
         raise CheckpointError(f"{folder}: {len(unknown)} tensors the model does not have: {shown}")
@@ -51,6 +81,10 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
+    if native_fp8:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.enable_native_fp8()
     return model.eval()
 
 
@@ -69,7 +103,37 @@ def _files(folder: Path) -> list[Path]:
     return files
 
 
-def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _keep_quantized(model: DeepseekV4Model, folder: Path, dtype: torch.dtype) -> set[str]:
+    """Give the model quantized modules for the checkpoint's quantized tensors. -> their names."""
+    found = _quantized_tensors(folder)
+    try:
+        kept = keep_quantized_(model, dict(found.values()), dtype)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
+    return {name for name, (where, _) in found.items() if where in kept}
+
+
+def _quantized_tensors(folder: Path) -> dict[str, tuple[QuantizedModule, QuantizedTensor]]:
+    """Every weight with a scale next to it, read from the file headers: where it goes, how it is stored."""
+    found: dict[str, tuple[QuantizedModule, QuantizedTensor]] = {}
+    for f in _files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            names = set(sf.keys())
+            for name in sorted(names):
+                scale = scale_of(name, names)
+                if scale is None:
+                    continue
+                try:
+                    t = quantized_tensor(header(sf.get_slice(name)), header(sf.get_slice(scale)))
+                except ValueError as exc:
+                    raise CheckpointError(f"{folder}: {name}: {exc}") from None
+                param, expert, which = checkpoint_to_param(name)
+                path = param.removesuffix(".weight") if expert is None else param.rpartition(".")[0]
+                found[name] = (QuantizedModule(path, expert, which if expert is not None else None), t)
+    return found
+
+
+def _tensors(folder: Path, resident: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     files = _files(folder)
     total = sum(f.stat().st_size for f in files)
     bar = tqdm(
@@ -81,20 +145,25 @@ def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name in sorted(names):
                 if is_scale_tensor(name, names):
                     continue
-                tensor = sf.get_tensor(name)
-                scale_name = _scale_of(name, names)
-                if scale_name is not None:
-                    tensor = dequantize(tensor, sf.get_tensor(scale_name))
-                yield name, tensor
+                yield from _weight(folder, name, sf, scale_of(name, names), name in resident)
         bar.update(f.stat().st_size)
     bar.close()
 
 
-def _scale_of(name: str, names: set[str]) -> str | None:
-    if not name.endswith(".weight"):
-        return None
-    base = name.removesuffix(".weight")
-    for suffix in (".scale", ".weight_scale_inv", ".weight_scale"):
-        if base + suffix in names:
-            return base + suffix
-    return None
+def _weight(
+    folder: Path, name: str, sf: Any, scale: str | None, resident: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint weight as the model takes it: raw with its scale (resident), dequantised, or plain."""
+    tensor = sf.get_tensor(name)
+    if scale is None:
+        if tensor.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{folder}: {name} is float8_e4m3fn but has no scale tensor next to it")
+        yield name, tensor
+    elif resident:
+        yield name, tensor if tensor.dtype == torch.float8_e4m3fn else tensor.view(torch.uint8)  # packed FP4
+        yield scale_name(name), sf.get_tensor(scale)
+    else:
+        try:
+            yield name, dequantize(tensor, sf.get_tensor(scale))
+        except ValueError as exc:
+            raise CheckpointError(f"{folder}: {name}: {exc}") from None

@@ -14,7 +14,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(env("HYBRIDSERVE_PORT", "8000")))
     parser.add_argument("--api-key", default=env("HYBRIDSERVE_API_KEY"), help="require 'Bearer KEY' on /v1/*")
     parser.add_argument(
-        "--served-model-name", default=None, help="model id in the API (default: folder name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model id(s) in the API: the first is reported, every one is accepted (default: folder name)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=env("HYBRIDSERVE_CHAT_TEMPLATE"),
+        help="Jinja chat template (a file, or the template itself) instead of the checkpoint's",
     )
     parser.add_argument(
         "--max-queue",

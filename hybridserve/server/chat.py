@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
-from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs
+from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, SamplingParams
+from hybridserve.server.constraints import checked
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
     ChatChoice,
@@ -18,6 +21,7 @@ from hybridserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     TokenLogprob,
@@ -30,40 +34,73 @@ from hybridserve.server.serving import (
     final_outputs,
     new_id,
     off_loop,
+    prompt_logprobs_json,
     sampling_params,
     start,
     usage,
 )
 from hybridserve.server.streams import guarded, sse
+from hybridserve.server.tool_calls import StreamingToolParser, parse_tool_calls, parses_tools, tool_constraint
 from hybridserve.tokenizer import Tokenizer
 
 
-async def _prompt(body: ChatCompletionRequest, llm: AsyncLLM) -> tuple[list[int], str]:
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (``developer`` is ``system``; tool calls as dicts)."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    out.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None})
+    return out
+
+
+async def render_messages(
+    messages: list[ChatMessage], llm: AsyncLLM, add_generation_prompt: bool, **extra: Any
+) -> tuple[list[int], str]:
+    """Token ids and text of the conversation in the chat template; 400 when it cannot be rendered."""
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so chat is unavailable: use /v1/completions")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
-    content = "".join(m["content"] for m in messages)
+    rendered = [_message(m) for m in messages]
+    content = "".join(m["content"] for m in rendered)
     check_text_fits(llm, content, "messages")
     try:
         return await off_loop(
-            len(content), partial(tokenizer.encode_chat, messages, body.add_generation_prompt)
+            len(content), partial(tokenizer.encode_chat, rendered, add_generation_prompt, **extra)
         )
-    except ValueError as exc:  # the template's raise_exception, or text the template cannot escape
+    except Exception as exc:  # the template's raise_exception, text it cannot escape, or a template bug
         raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from exc
 
 
-def _unsupported(body: ChatCompletionRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
+async def _prompt(body: ChatCompletionRequest, llm: AsyncLLM) -> tuple[list[int], str]:
+    extra = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    return await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
+
+
+def _with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    forced = tool_constraint(body)
+    if forced is None:
+        return params
+    if params.structured_outputs is not None:
         raise APIError(
             400,
-            f"response_format {body.response_format.type!r} is not supported yet",
-            param="response_format",
+            "tool_choice required or named cannot be combined with another output constraint",
+            param="tool_choice",
         )
-    if body.tools:
-        raise APIError(400, "tools are not supported yet", param="tools")
+    return replace(params, structured_outputs=checked(forced, "tools"))
+
+
+def _message_of(
+    body: ChatCompletionRequest, text: str, finish: str | None
+) -> tuple[ChatResponseMessage, str | None]:
+    """The response message, with tool calls parsed out when the request reads them."""
+    if not parses_tools(body):
+        return ChatResponseMessage(content=text), finish
+    content, calls = parse_tool_calls(text)
+    return ChatResponseMessage(
+        content=content, tool_calls=calls
+    ), "tool_calls" if calls and finish == "stop" else finish
 
 
 def _logprobs(
@@ -99,11 +136,12 @@ async def create_chat_completion(
     body: ChatCompletionRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> Response:
     check_model(body, settings)
-    _unsupported(body)
     ids, text = await _prompt(body, llm)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
-    params = sampling_params(body, settings, max_tokens, top if body.logprobs else None)
+    params = _with_tool_constraint(
+        body, sampling_params(body, settings, max_tokens, top if body.logprobs else None)
+    )
     base = new_id("chatcmpl")
     requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text])
     if body.stream:
@@ -114,18 +152,24 @@ async def create_chat_completion(
     finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
         return Response(status_code=499)  # the client went away; its requests were aborted
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatResponseMessage(content=o.outputs[0].text),
-            finish_reason=o.outputs[0].finish_reason,
-            stop_reason=o.outputs[0].stop_reason,
-            logprobs=_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids, llm.tokenizer, top),
+    choices = []
+    for i, o in enumerate(finals):
+        message, finish = _message_of(body, o.outputs[0].text, o.outputs[0].finish_reason)
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                finish_reason=finish,
+                stop_reason=o.outputs[0].stop_reason,
+                logprobs=_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids, llm.tokenizer, top),
+            )
         )
-        for i, o in enumerate(finals)
-    ]
     response = ChatCompletionResponse(
-        id=base, model=settings.model_name, choices=choices, usage=usage([ids], finals, body.n)
+        id=base,
+        model=settings.model_name,
+        choices=choices,
+        usage=usage([ids], finals, body.n),
+        prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs) if finals else None,
     )
     return JSONResponse(response.model_dump())
 
@@ -144,6 +188,7 @@ async def _stream(
         first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[first]))
     finals: dict[int, RequestOutput] = {}
+    parsers = [StreamingToolParser() if parses_tools(body) else None for _ in requests]
     async for i, out in outputs:
         c = out.outputs[0]
         if out.finished:
@@ -151,14 +196,25 @@ async def _stream(
         if not out.new_text and not out.finished and not (body.logprobs and out.new_token_ids):
             continue
         entries = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
+        delta, finish = _delta(parsers[i], out.new_text, c.finish_reason)
         choice = ChatChunkChoice(
             index=i,
-            delta=DeltaMessage(content=out.new_text or None),
+            delta=delta,
             logprobs=_logprobs(entries, out.new_token_ids, llm.tokenizer, top),
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
         )
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[choice]))
     if body.stream_options and body.stream_options.include_usage:
         ordered = [finals[i] for i in range(len(requests))]
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[], usage=usage([ids], ordered, body.n)))
     yield sse("[DONE]")
+
+
+def _delta(
+    parser: StreamingToolParser | None, text: str, finish: str | None
+) -> tuple[DeltaMessage, str | None]:
+    if parser is None:
+        return DeltaMessage(content=text or None), finish
+    content, calls = parser.feed(text, final=finish is not None)
+    finish = "tool_calls" if finish == "stop" and parser.calls else finish
+    return DeltaMessage(content=content or None, tool_calls=calls or None), finish

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +26,7 @@ from hybridserve.server.serving import (
     final_outputs,
     new_id,
     off_loop,
+    prompt_logprobs_json,
     sampling_params,
     start,
     usage,
@@ -42,10 +44,10 @@ def _items(body: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-def _check_ids(ids: list[int], vocab_size: int) -> None:
+def check_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     if any(not 0 <= t < vocab_size for t in ids):
         raise APIError(
-            400, f"prompt token ids must be in [0, {vocab_size})", param="prompt", code="invalid_prompt"
+            400, f"{param} token ids must be in [0, {vocab_size})", param=param, code="invalid_prompt"
         )
 
 
@@ -66,7 +68,7 @@ async def _prompts(
             ids.append(await off_loop(len(item), partial(tokenizer.encode, item)))
             texts.append(item)
         else:
-            _check_ids(item, llm.vocab_size)
+            check_ids(item, llm.vocab_size)
             ids.append(list(item))
             decode = partial(tokenizer.decode, list(item)) if tokenizer is not None else None
             texts.append(await off_loop(len(item) * 4, decode) if decode is not None else None)
@@ -78,10 +80,6 @@ def _unsupported(body: CompletionRequest) -> None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
 
 
 def _logprobs(
@@ -100,6 +98,30 @@ def _logprobs(
     return out
 
 
+def _prompt_logprobs(out: RequestOutput, tokenizer: Tokenizer | None) -> CompletionLogprobs:
+    """The echoed prompt's tokens with their logprobs (the first token has none)."""
+    assert out.prompt_logprobs is not None
+    first = out.prompt_token_ids[0]
+    head = CompletionLogprobs(
+        tokens=[tokenizer.token_text(first) if tokenizer else str(first)],
+        token_logprobs=[None],
+        top_logprobs=[None],
+        text_offset=[0],
+    )
+    entries = [e for e in out.prompt_logprobs[1:] if e is not None]
+    rest = _logprobs(entries, out.prompt_token_ids[1:], tokenizer, len(head.tokens[0]))
+    return _joined(head, rest) if rest is not None else head
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
 async def create_completion(
     body: CompletionRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> Response:
@@ -107,6 +129,8 @@ async def create_completion(
     _unsupported(body)
     prompts, texts = await _prompts(body, llm, settings)
     params = sampling_params(body, settings, body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None and not body.stream:  # the echoed prompt gets logprobs too
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, body.logprobs))
     base = new_id("cmpl")
     requests, outputs = await start(llm, settings, base, prompts, params, body.n, texts)
     if body.stream:
@@ -122,13 +146,19 @@ async def create_completion(
     for i, out in enumerate(finals):
         c = out.outputs[0]
         echo = (texts[i // body.n] or "") if body.echo else ""
+        lp = _logprobs(c.logprobs, c.token_ids, llm.tokenizer, len(echo))
+        if echo and lp is not None and out.prompt_logprobs is not None:
+            lp = _joined(_prompt_logprobs(out, llm.tokenizer), lp)
         choices.append(
             CompletionChoice(
                 index=i,
                 text=echo + c.text,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
-                logprobs=_logprobs(c.logprobs, c.token_ids, llm.tokenizer, 0),
+                logprobs=lp,
+                prompt_logprobs=prompt_logprobs_json(
+                    out.prompt_logprobs if body.prompt_logprobs is not None else None
+                ),
             )
         )
     response = CompletionResponse(

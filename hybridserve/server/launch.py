@@ -14,6 +14,7 @@ import uvicorn
 from hybridserve.config import EngineConfig
 from hybridserve.server.openai_api import AppState, build_app
 from hybridserve.server.serving import ServerSettings, generation_defaults
+from hybridserve.tokenizer import load_chat_template
 
 # uvicorn's own deadline comes this long after ours, so that requests we fail at ours can still send
 # their error (a JSON 503, or an error event and [DONE]) before uvicorn cuts the connections.
@@ -42,8 +43,11 @@ class _Server(uvicorn.Server):
 
 
 def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> ServerSettings:
+    names = args.served_model_name or [Path(config.model).name]
     return ServerSettings(
-        model_name=args.served_model_name or Path(config.model).name,
+        model_name=names[0],
+        model_aliases=list(names[1:]),
+        chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,

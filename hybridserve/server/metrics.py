@@ -31,11 +31,15 @@ class _EngineCollector(Collector):
         cached = GaugeMetricFamily(
             "hybridserve_kv_blocks_cached", "blocks findable by prefix", labels=["group"]
         )
+        evicted = CounterMetricFamily(
+            "hybridserve_kv_blocks_evicted", "cached blocks evicted for reuse", labels=["group"]
+        )
         for name, pool in stats.pools.items():
             used.add_metric([name], pool.used)
             total.add_metric([name], pool.total)
             cached.add_metric([name], pool.cached)
-        yield from (used, total, cached)
+            evicted.add_metric([name], pool.evicted)
+        yield from (used, total, cached, evicted)
         yield _counter("hybridserve_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield _counter("hybridserve_generation_tokens", "tokens generated", stats.generation_tokens)
         yield _counter(

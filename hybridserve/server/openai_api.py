@@ -22,16 +22,21 @@ from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
 from hybridserve.server.limits import BodySizeLimit, could_be_cross_site_without_preflight
 from hybridserve.server.metrics import ServerMetrics
-from hybridserve.server.openapi import GENERATE_RESPONSES, responses
+from hybridserve.server.openapi import GENERATE_RESPONSES, TOKENIZE_RESPONSES, responses
 from hybridserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from hybridserve.server.serving import ServerSettings, api_id
+from hybridserve.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("hybridserve.server")
 
@@ -92,6 +97,8 @@ def build_app(
     async def load() -> None:
         try:
             llm = await asyncio.to_thread(make_engine, config)
+            if settings.chat_template is not None and llm.tokenizer is not None:
+                llm.tokenizer.chat_template = settings.chat_template
             llm.start()
             llm.on_finish.append(_log_finished)
             llm.on_fatal.append(state.die)
@@ -162,6 +169,22 @@ def _routes(app: FastAPI, state: AppState) -> None:
     @app.head("/health", responses=responses(503))
     async def health_head() -> JSONResponse:
         return await health()  # the server sends the headers only
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post(
+        "/tokenize", dependencies=guarded, response_model=TokenizeResponse, responses=TOKENIZE_RESPONSES
+    )
+    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenize(body, state.engine(), state.settings)).model_dump())
+
+    @app.post(
+        "/detokenize", dependencies=guarded, response_model=DetokenizeResponse, responses=TOKENIZE_RESPONSES
+    )
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await detokenize(body, state.engine(), state.settings)).model_dump())
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

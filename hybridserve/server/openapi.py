@@ -44,3 +44,5 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: _EVENT_STREAM,
     **responses(400, 401, 413, 415, 429, 500, 503),
 }
+
+TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = responses(400, 401, 413, 415, 503)

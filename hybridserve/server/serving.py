@@ -14,9 +14,10 @@ from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
-from hybridserve.engine.request import Request, RequestOutput, SamplingParams
+from hybridserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
+from hybridserve.server.constraints import structured_outputs
 from hybridserve.server.errors import APIError
-from hybridserve.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+from hybridserve.server.protocol import PromptLogprob, PromptTokensDetails, Usage, _SamplingFields
 from hybridserve.server.streams import merge, unless_disconnected
 
 
@@ -28,6 +29,8 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    model_aliases: list[str] = field(default_factory=list)  # more names the model answers to
+    chat_template: str | None = None  # instead of the checkpoint's (--chat-template)
 
 
 T = TypeVar("T")
@@ -71,13 +74,18 @@ def sampling_params(
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+            prompt_logprobs=body.prompt_logprobs,
+            structured_outputs=structured_outputs(body),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
-def check_model(body: _SamplingFields, settings: ServerSettings) -> None:
-    if body.model != settings.model_name:
+def check_model(body: Any, settings: ServerSettings, required: bool = True) -> None:
+    if body.model is None and not required:
+        return
+    if body.model != settings.model_name and body.model not in settings.model_aliases:
         raise APIError(
             400,
             f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
@@ -207,3 +215,19 @@ def usage(prompts: list[list[int]], finals: list[RequestOutput], n: int) -> Usag
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: logprob, rank, text}."""
+    if entries is None:
+        return None
+
+    def entry(e: dict[int, Logprob]) -> dict[str, PromptLogprob]:
+        return {
+            str(t): PromptLogprob(logprob=p.logprob, rank=p.rank, decoded_token=p.decoded_token)
+            for t, p in e.items()
+        }
+
+    return [None if e is None else entry(e) for e in entries]

@@ -1,69 +1,118 @@
-"""A plain radix tree over token blocks: the reference for which prefixes should be reusable."""
+"""A plain radix tree over token blocks: the reference for which prefixes should be reusable.
+
+It shares no code with the prefix cache under test: no hashes, no ``lookup``. It learns only facts
+the engine cannot hide: which tokens a request has computed into which physical blocks (its block
+tables, when the engine offers new blocks for reuse) and which blocks an allocation hands out again
+(their old contents are gone). From those it decides on its own which prefixes can be resumed.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.prefix import block_hashes
+from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.spec import GroupKind
 
+NULL = 0
 
-@dataclass
+
+@dataclass(eq=False)
 class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    copies: dict[str, int] = field(default_factory=dict)  # group -> the one block findable for it
 
 
 class RadixOracle:
-    """Remembers every block-aligned prefix the engine has computed.
+    """Remembers every block-aligned prefix the engine has computed and where it lives.
 
-    A prefix of n blocks is reusable when the tree holds it, every history group still has all n
-    blocks resident, and every window group has the blocks the next token can see.
+    A block becomes findable when it is first computed, unless a findable copy of the same prefix
+    block already exists (first writer wins); it stops being findable when its physical block is
+    handed out again or the cache is reset. A prefix of n blocks is reusable when the tree holds it,
+    every history group has all n blocks findable, and every window group has the blocks covering
+    the ``window_tokens`` tokens before token n * B (what the next token can see).
     """
 
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
+    def __init__(self, plan: CachePlan) -> None:
+        self.block_tokens = plan.block_tokens
+        self.groups = {g.spec.name: (g.spec.kind, g.spec.window_tokens) for g in plan.groups}
         self.root = _Node()
+        self._holders: dict[str, dict[int, _Node]] = {name: {} for name in self.groups}
+        self._offered: dict[str, int] = {}  # request -> full blocks already offered
 
-    def insert(self, tokens: list[int]) -> None:
-        node = self.root
-        for j in range(len(tokens) // self.block_tokens):
-            key = tuple(tokens[j * self.block_tokens : (j + 1) * self.block_tokens])
-            node = node.children.setdefault(key, _Node())
+    def watch(self, coordinator: KvCacheCoordinator) -> None:
+        """Follow an engine's coordinator: computed blocks, released requests, re-handed-out blocks."""
+        publish, release = coordinator.publish, coordinator.release
 
-    def depth(self, tokens: list[int]) -> int:
-        """Blocks of ``tokens`` the tree holds as one path from the root."""
-        node, n = self.root, 0
-        while True:
-            key = tuple(tokens[n * self.block_tokens : (n + 1) * self.block_tokens])
-            if len(key) < self.block_tokens or key not in node.children:
-                return n
-            node, n = node.children[key], n + 1
+        def published(req_id: str, token_ids: list[int], num_computed: int) -> None:
+            publish(req_id, token_ids, num_computed)
+            self.computed(req_id, token_ids[:num_computed], coordinator.block_tables(req_id))
 
-    def expected_hit(self, tokens: list[int], coordinator: KvCacheCoordinator) -> int:
+        def released(req_id: str) -> None:
+            release(req_id)
+            self._offered.pop(req_id, None)
+
+        coordinator.publish = published  # type: ignore[method-assign]
+        coordinator.release = released  # type: ignore[method-assign]
+        for name, pool in coordinator.pools.pools.items():
+            allocate = pool.allocate
+
+            def handed_out(n: int, name: str = name, allocate=allocate) -> list[int]:  # type: ignore[no-untyped-def]
+                blocks: list[int] = allocate(n)
+                self.lost(name, blocks)
+                return blocks
+
+            pool.allocate = handed_out  # type: ignore[method-assign]
+
+    def computed(self, req_id: str, tokens: list[int], tables: dict[str, list[int]]) -> None:
+        B, node = self.block_tokens, self.root
+        first_new = self._offered.get(req_id, 0)
+        for j in range(len(tokens) // B):
+            node = node.children.setdefault(tuple(tokens[j * B : (j + 1) * B]), _Node())
+            if j < first_new:
+                continue
+            for name, table in tables.items():
+                block = table[j] if j < len(table) else NULL
+                if block != NULL and name not in node.copies:
+                    node.copies[name] = block
+                    self._holders[name][block] = node
+        self._offered[req_id] = max(first_new, len(tokens) // B)
+
+    def lost(self, group: str, blocks: list[int]) -> None:
+        for block in blocks:
+            node = self._holders[group].pop(block, None)
+            if node is not None:
+                del node.copies[group]
+
+    def reset(self) -> None:
+        for holders in self._holders.values():
+            for node in holders.values():
+                node.copies.clear()
+            holders.clear()
+
+    def path(self, tokens: list[int]) -> list[_Node]:
+        """The tree's nodes along ``tokens``, one per full block, as far as the tree goes."""
+        B, node, out = self.block_tokens, self.root, []
+        for j in range(len(tokens) // B):
+            child = node.children.get(tuple(tokens[j * B : (j + 1) * B]))
+            if child is None:
+                break
+            node = child
+            out.append(node)
+        return out
+
+    def expected_hit(self, tokens: list[int]) -> int:
+        """Tokens a prefix probe must reuse: the longest resumable prefix, one token left to run."""
         B = self.block_tokens
-        n = min(self.depth(tokens), (len(tokens) - 1) // B)
-        hashes = block_hashes(tokens[: n * B], B)
-        while n > 0:
-            if all(
-                self._resident(coordinator, g.spec.name, g.spec.kind, g.spec.window_tokens, hashes, n)
-                for g in coordinator.plan.groups
-            ):
+        nodes = self.path(tokens)[: (len(tokens) - 1) // B]
+        for n in range(len(nodes), 0, -1):
+            if all(self._findable(nodes, n, name) for name in self.groups):
                 return n * B
-            n -= 1
         return 0
 
-    def _resident(
-        self,
-        coordinator: KvCacheCoordinator,
-        name: str,
-        kind: GroupKind,
-        window: int,
-        hashes: list[bytes],
-        n: int,
-    ) -> bool:
+    def _findable(self, nodes: list[_Node], n: int, name: str) -> bool:
+        kind, window = self.groups[name]
         first = (
             0 if kind is GroupKind.HISTORY else max(0, n * self.block_tokens - window) // self.block_tokens
         )
-        pool = coordinator.pools[name]
-        return all(pool.lookup(h) is not None for h in hashes[first:n])
+        return all(name in node.copies for node in nodes[first:n])

@@ -9,11 +9,12 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import default_model_path
-from tests.engine.test_greedy_vs_reference import prove_mismatch
+from tests.proofs import prove_mismatch
 from tests.reference import reference_greedy
 
 BUNDLED = Path(default_model_path())
 MAX_NEW = 24
+MAX_PROVEN = 1  # of 16 completions (measured: 0); each must still carry its proof (tests/proofs.py)
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -37,11 +38,13 @@ def test_bundled_greedy_equals_transformers(prompts_and_reference: tuple, seqs: 
     llm = LLM(str(BUNDLED), max_num_seqs=seqs, max_num_batched_tokens=64, enable_prefix_caching=caching)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompts + prompts, params)  # the second copy hits the prefix cache when it is on
-    for i, out in enumerate(outs):
-        ours = out.outputs[0].token_ids
-        want = expected[i % len(prompts)]
-        if ours != want:
-            prove_mismatch(BUNDLED, prompts[i % len(prompts)], ours, want)
+    proofs = [
+        prove_mismatch(BUNDLED, prompts[i % len(prompts)], out.outputs[0].token_ids)
+        for i, out in enumerate(outs)
+        if out.outputs[0].token_ids != expected[i % len(prompts)]
+    ]
+    print(*map(str, proofs), sep="\n")
+    assert len(proofs) <= MAX_PROVEN, f"{len(proofs)} proven mismatches exceed the cap {MAX_PROVEN}"
     if caching:
         assert sum(o.num_cached_tokens for o in outs[len(prompts) :]) > 0
     assert llm.engine.pools.all_free()

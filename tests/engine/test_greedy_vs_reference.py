@@ -1,8 +1,9 @@
 """Greedy tokens of many concurrent requests equal transformers run one sequence at a time.
 
-A prompt may differ only for a proven reason: the reference shows an exact Lightning-Indexer top-k
-tie before the divergence and, with only its tie order changed to ours (lowest row first), it
-reproduces our tokens exactly; or the logit gap at the divergence is under 1e-5.
+A prompt may differ only with a proof read off the reference's own incremental path (tests/proofs.py):
+an exact Lightning-Indexer top-k tie before the divergence after which, with only its tie order changed
+to ours (lowest row first), it reproduces our tokens; or a top-2 logit gap under 1e-5 at the divergence
+with our token its runner-up. Even proven mismatches are capped per model (``MAX_PROVEN``).
 """
 
 from __future__ import annotations
@@ -14,41 +15,20 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from tests.reference import reference_greedy, reference_model, stable_indexer_topk, tie_report
+from tests.proofs import MismatchProof, prove_mismatch
+from tests.reference import reference_greedy
 from tests.tiny_models import VOCAB
 
 MAX_NEW = 24
-NEAR_TIE = 1e-5
+# Proven mismatches allowed per model, of 18 prompts: measured, the same prompts in every case (each an
+# exact indexer tie that our tie order resolves differently; with it, the reference gives our tokens).
+MAX_PROVEN = {"mixed": 2, "csa_heavy": 3}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 61, (n,), generator=g).tolist()
     return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-
-
-def prove_mismatch(folder: Path, prompt: list[int], ours: list[int], expected: list[int]) -> None:
-    """Fail unless the difference between ``ours`` and the reference is a proven tie."""
-    model = reference_model(folder)
-    first = _first_difference(ours, expected)
-    report = tie_report(model, prompt + expected[: first + 1], len(prompt))
-    if report.min_logit_gaps[first] < NEAR_TIE:
-        return
-    assert any(pos <= len(prompt) + first for _, pos in report.ties), (
-        f"divergence at step {first}: no exact indexer tie before it, "
-        f"logit gap {report.min_logit_gaps[first]:.2e}"
-    )
-    stable = reference_greedy(folder, prompt, len(ours), stable_ties=True)
-    if stable == ours:
-        return
-    k = _first_difference(ours, stable)
-    with stable_indexer_topk():
-        gap = tie_report(model, prompt + stable[: k + 1], len(prompt)).min_logit_gaps[k]
-    assert gap < NEAR_TIE, f"with our tie order the reference still differs at step {k} (gap {gap:.2e})"
 
 
 CASES = {
@@ -74,15 +54,14 @@ def test_concurrent_greedy_equals_batch1_reference(
         assert llm.engine.scheduler.num_preemptions > 0
     if case == "four_chunked":
         assert sum(len(p) > CASES[case]["max_num_batched_tokens"] for p in prompts) >= 2  # chunked prefills
-    mismatched = 0
+    proofs: list[MismatchProof] = []
     for prompt, out in zip(prompts, outputs, strict=True):
         ours = out.outputs[0].token_ids
-        expected = reference_greedy(folder, prompt, MAX_NEW)
         assert len(ours) == MAX_NEW and out.outputs[0].finish_reason == "length"
-        if ours != expected:
-            mismatched += 1
-            prove_mismatch(folder, prompt, ours, expected)
-    print(f"{model_name}/{case}: {mismatched} of {len(prompts)} prompts differ, each proven a tie")
-    assert mismatched <= len(prompts) // 4, f"{mismatched} prompts differ (each proven to be a tie)"
+        if ours != reference_greedy(folder, prompt, MAX_NEW):
+            proofs.append(prove_mismatch(folder, prompt, ours))
+    print(f"{model_name}/{case}: {len(proofs)} of {len(prompts)} differ:", *map(str, proofs), sep="\n  ")
+    cap = MAX_PROVEN[model_name]
+    assert len(proofs) <= cap, f"{len(proofs)} proven mismatches exceed the cap {cap}"
     assert llm.engine.pools.all_free()
     llm.engine.pools.check_integrity()

@@ -31,15 +31,17 @@ def _workload(seed: int, n: int) -> list[list[int]]:
 
 
 def _run_with_oracle(
-    core: EngineCore, prompts: list[list[int]], max_tokens: int, arrivals: int
+    core: EngineCore, prompts: list[list[int]], max_tokens: int, arrivals: int, reset_at: int
 ) -> list[list[int]]:
-    """Feed prompts a few at a time; every prefix probe must find what the oracle says is reusable."""
-    oracle = RadixOracle(BLOCK)
+    """Feed prompts a few at a time; every prefix probe must find what the oracle says is reusable.
+    The prefix cache is reset once, at step ``reset_at``, with requests running."""
+    oracle = RadixOracle(core.coordinator.plan)
+    oracle.watch(core.coordinator)
     probe = core.coordinator.probe
     probes: list[int] = []
 
     def checked_probe(tokens: list[int]) -> PrefixHit:
-        expected = oracle.expected_hit(tokens, core.coordinator)
+        expected = oracle.expected_hit(tokens)
         hit = probe(tokens)
         assert hit.num_tokens == expected, f"hit {hit.num_tokens}, oracle {expected}"
         probes.append(hit.num_tokens)
@@ -49,14 +51,18 @@ def _run_with_oracle(
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
     pending = list(requests)
+    steps = 0
     while pending or core.has_unfinished_requests():
         for r in pending[:arrivals]:
             core.add_request(r)
         pending = pending[arrivals:]
         core.step()
-        for r in requests:
-            oracle.insert(r.all_token_ids[: r.num_computed_tokens])
-    assert len(probes) >= len(prompts) and any(probes)
+        steps += 1
+        if steps == reset_at:
+            assert core.has_unfinished_requests()
+            core.reset_prefix_cache()
+            oracle.reset()
+    assert len(probes) >= len(prompts) and sum(p > 0 for p in probes) >= 3
     return [r.output_token_ids for r in requests]
 
 
@@ -68,7 +74,7 @@ def test_hits_equal_the_radix_oracle_and_outputs_equal_caching_off(
     prompts = _workload(seed=3, n=24)
     kw = dict(block_tokens=BLOCK, max_num_seqs=seqs, max_num_batched_tokens=24, num_blocks=num_blocks)
     cached = LLM(folder, **kw)
-    got = _run_with_oracle(cached.engine, prompts, max_tokens=10, arrivals=3)
+    got = _run_with_oracle(cached.engine, prompts, max_tokens=10, arrivals=3, reset_at=12)
     plain = LLM(folder, enable_prefix_caching=False, **kw)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

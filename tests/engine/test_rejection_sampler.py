@@ -41,7 +41,8 @@ def _target(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torc
         probs[probs < p.min_p * probs.max()] = 0
     order = probs.argsort(descending=True)
     keep = torch.zeros(V, dtype=torch.bool)
-    total, cum = float(probs.sum()), 0.0
+    kept_by_top_k = order[: p.top_k] if p.top_k else order
+    total, cum = float(probs[kept_by_top_k].sum()), 0.0  # top-p measures the mass top-k kept (vLLM)
     for rank, t in enumerate(order.tolist()):
         if (p.top_k and rank >= p.top_k) or (rank and cum > p.top_p * total):
             break

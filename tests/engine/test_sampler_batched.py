@@ -53,9 +53,10 @@ def _ref_weights(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if top_k < vocab or p.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab)[None]
+        sorted_p = sorted_p.masked_fill(ranks >= top_k, 0)
         cum = sorted_p.cumsum(dim=-1)
         top_p = torch.tensor([p.top_p], dtype=torch.float32)
-        drop = (ranks >= top_k) | ((cum - sorted_p) > top_p[:, None] * cum[:, -1:])
+        drop = (cum - sorted_p) > top_p[:, None] * cum[:, -1:]
         drop[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0))
     return probs[0]

@@ -99,7 +99,7 @@ def test_grouped_bf16_repeats_the_per_expert_loop_bit_for_bit(n_tokens: int) -> 
     idx = torch.rand(n_tokens, 8, generator=g).argsort(dim=-1)[:, :6]
     x = torch.randn(n_tokens, 192, generator=g).bfloat16()
     w = torch.rand(n_tokens, 6, generator=g).bfloat16()
-    assert moe._grouped_mm_is_async(x, experts.gate_up, experts.down)
+    assert moe._grouped_mm_is_async(x, experts.hidden, experts.inter)
     with torch.no_grad():
         assert torch.equal(experts(x, w, idx), per_expert_loop(experts, x, w, idx))
 

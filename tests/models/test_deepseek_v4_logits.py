@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.paged import PagedSequence
-from tests.reference import chunked_logits, reference_model, stable_indexer_topk, tie_report
+from tests.reference import chunked_logits, indexer_ties, reference_model, stable_indexer_topk
 from tests.tiny_models import SPECS, VOCAB
 
 TOL = {"float32": 2e-5, "bfloat16": 0.0}  # our bf16 path repeats the reference's roundings exactly
@@ -35,13 +35,14 @@ def setup(
 def assert_matches_reference(
     got: torch.Tensor, ref: object, ids: list[int], chunks: list[int], tol: float
 ) -> None:
-    """Our logits equal the reference's for the same chunking; where they do not, the reference has an
-    exact indexer top-k tie and, with its tie order set to ours, equals us."""
-    expected = chunked_logits(ref, ids, chunks)
+    """Our logits equal the reference's for the same chunking; where they do not, the reference met an
+    exact indexer top-k tie on that same chunked path and, with its tie order set to ours, equals us."""
+    with indexer_ties(ref) as ties:
+        expected = chunked_logits(ref, ids, chunks)
     assert got.dtype == expected.dtype
     if torch.allclose(got.float(), expected.float(), atol=tol, rtol=0):
         return
-    assert tie_report(ref, ids, len(ids)).ties, "logits differ and the reference has no indexer tie"
+    assert ties, "logits differ and the reference met no indexer tie on this chunked path"
     with stable_indexer_topk():
         expected = chunked_logits(ref, ids, chunks)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=0)

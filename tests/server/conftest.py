@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hybridserve.bench.server_process import parse_metrics
+
 API_KEY = "test-key"
 
 
@@ -26,13 +28,7 @@ class Server:
     process: subprocess.Popen
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_metrics(httpx.get(f"{self.url}/metrics").text)
 
     def kv_blocks_used(self) -> float:
         return sum(v for k, v in self.metrics().items() if k.startswith("hybridserve_kv_blocks_used"))

@@ -1,0 +1,46 @@
+"""POST /tokenize and /detokenize (vLLM's utility endpoints)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.server.chat import render_messages
+from hybridserve.server.completions import check_ids
+from hybridserve.server.errors import APIError
+from hybridserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from hybridserve.server.serving import ServerSettings, check_model, check_text_fits, off_loop
+from hybridserve.tokenizer import Tokenizer
+
+
+def _tokenizer(llm: AsyncLLM) -> Tokenizer:
+    if llm.tokenizer is None:
+        raise APIError(400, "this model ships no tokenizer", code="no_tokenizer")
+    return llm.tokenizer
+
+
+async def tokenize(body: TokenizeRequest, llm: AsyncLLM, settings: ServerSettings) -> TokenizeResponse:
+    check_model(body, settings, required=False)
+    tokenizer = _tokenizer(llm)
+    if body.messages is not None:
+        ids, _ = await render_messages(body.messages, llm, body.add_generation_prompt)
+    else:
+        prompt = body.prompt or ""
+        check_text_fits(llm, prompt, "prompt")
+        ids = await off_loop(len(prompt), partial(tokenizer.encode, prompt, body.add_special_tokens))
+    strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=llm.max_request_tokens, tokens=ids, token_strs=strs)
+
+
+async def detokenize(body: DetokenizeRequest, llm: AsyncLLM, settings: ServerSettings) -> DetokenizeResponse:
+    check_model(body, settings, required=False)
+    tokenizer = _tokenizer(llm)
+    check_ids(body.tokens, llm.vocab_size, "tokens")
+    return DetokenizeResponse(
+        prompt=await off_loop(len(body.tokens) * 4, partial(tokenizer.decode, body.tokens))
+    )
