@@ -213,3 +213,29 @@ def test_generate_and_plan_take_the_speculative_config(
     assert "[4 tokens" in out and "mtp_kv" in out and "draft groups" in out
     assert main(["generate", "--model", folder, "--speculative-config", '{"method": "ngram"}', "hi"]) == 2
     assert "unknown method 'ngram'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_grammar_constrains_drafts_and_verification(
+    mtp_checkpoint: Callable[[str], Path], temperature: float
+) -> None:
+    """Structured outputs under speculation: greedy text equals speculation off; sampled text matches."""
+    import re
+
+    from hybridserve.engine.request import StructuredOutputsParams
+
+    folder = str(mtp_checkpoint("mixed"))
+    pattern = r"[a-e]{2,5}-[0-9]{1,3}"
+    params = SamplingParams(
+        temperature=temperature,
+        max_tokens=16,
+        seed=3,
+        structured_outputs=StructuredOutputsParams(regex=pattern),
+    )
+    prompts = _prompts(3, seed=4)
+    spec = LLM(folder, block_tokens=8, speculative_config=mtp(3)).generate(prompts, params)
+    for out in spec:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    if temperature == 0:
+        plain = LLM(folder, block_tokens=8).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
