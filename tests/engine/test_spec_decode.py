@@ -22,6 +22,7 @@ from tests.reference import reference_greedy
 from tests.tiny_models import VOCAB
 
 MAX_NEW = 12
+KV = "48MiB"  # pools of a few MiB per engine (the default 1 GiB is resident once zeroed)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -78,7 +79,13 @@ def test_greedy_with_mtp_equals_batch1_reference(
     prompts = _prompts(6, seed=5, shared_prefix=shared)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
     with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
-        llm = LLM(str(mtp_checkpoint("mixed")), block_tokens=8, speculative_config=mtp(k), **kwargs)
+        llm = LLM(
+            str(mtp_checkpoint("mixed")),
+            block_tokens=8,
+            kv_cache_memory=KV,
+            speculative_config=mtp(k),
+            **kwargs,
+        )
         _poisoning(llm.engine)
         _check(base, prompts, llm.generate(prompts, GREEDY), expected)
     snap = llm.engine.snapshot()
@@ -100,7 +107,7 @@ def test_random_mtp_drafter_never_changes_a_token(
 ) -> None:
     """The MTP layer's own (random, nearly always rejected) drafts: output equals speculation off."""
     prompts = _prompts(6, seed=2)
-    kwargs = dict(block_tokens=8, max_num_seqs=4, max_num_batched_tokens=24)
+    kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24)
     plain = LLM(str(mtp_checkpoint(model_name)), **kwargs).generate(prompts, GREEDY)
     llm = LLM(str(mtp_checkpoint(model_name)), speculative_config=mtp(3), **kwargs)
     _poisoning(llm.engine)
@@ -126,7 +133,7 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(
         [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True) for _ in prompts],
         [SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=4, stop_token_ids=s) for s in stop_ids],
     ]
-    kwargs = dict(block_tokens=8, max_num_seqs=4, max_num_batched_tokens=32)
+    kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=32)
     plain = LLM(str(mtp_checkpoint("mixed")), **kwargs)
     with oracle_drafts(continuations, wrong=0.0):
         llm = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), **kwargs)
@@ -163,6 +170,7 @@ def test_drafts_count_against_the_token_budget(
     llm = LLM(
         str(mtp_checkpoint("mixed")),
         block_tokens=8,
+        kv_cache_memory=KV,
         max_num_seqs=4,
         max_num_batched_tokens=10,
         speculative_config=mtp(3),
@@ -193,12 +201,12 @@ def test_bad_speculative_config_is_refused(
     tiny_checkpoint: Callable[[str], Path], config: object, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(str(tiny_checkpoint("mixed")), speculative_config=config)
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=config)
 
 
 def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="needs MTP weights"):
-        LLM(str(tiny_checkpoint("mixed")), speculative_config=mtp(1))
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
 
 
 def test_generate_and_plan_take_the_speculative_config(
@@ -207,7 +215,8 @@ def test_generate_and_plan_take_the_speculative_config(
     from hybridserve.cli import main
 
     folder, spec = str(mtp_checkpoint("mixed")), '{"method": "mtp", "num_speculative_tokens": 2}'
-    assert main(["generate", "--model", folder, "--speculative-config", spec, "--max-tokens", "4", "hi"]) == 0
+    args = ["--model", folder, "--speculative-config", spec, "--kv-cache-memory", KV]
+    assert main(["generate", *args, "--max-tokens", "4", "hi"]) == 0
     assert main(["plan", "--model", folder, "--speculative-config", spec, "--num-blocks", "8"]) == 0
     out = capsys.readouterr().out
     assert "[4 tokens" in out and "mtp_kv" in out and "draft groups" in out
@@ -233,9 +242,11 @@ def test_grammar_constrains_drafts_and_verification(
         structured_outputs=StructuredOutputsParams(regex=pattern),
     )
     prompts = _prompts(3, seed=4)
-    spec = LLM(folder, block_tokens=8, speculative_config=mtp(3)).generate(prompts, params)
+    spec = LLM(folder, block_tokens=8, kv_cache_memory=KV, speculative_config=mtp(3)).generate(
+        prompts, params
+    )
     for out in spec:
         assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
     if temperature == 0:
-        plain = LLM(folder, block_tokens=8).generate(prompts, params)
+        plain = LLM(folder, block_tokens=8, kv_cache_memory=KV).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

@@ -36,7 +36,7 @@ PROMPTS = _pool_prompts()
 
 @cache
 def _plain(folder: Path) -> dict[tuple[int, ...], list[int]]:
-    outs = LLM(str(folder), block_tokens=8).generate(
+    outs = LLM(str(folder), block_tokens=8, kv_cache_memory="48MiB").generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     )
     return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs, strict=True)}

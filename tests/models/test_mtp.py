@@ -133,7 +133,11 @@ def test_mtp_drafts_match_the_model_card_formula(
     src = tiny_checkpoint("mixed")
     mtp = _with_mtp(src, tmp_path / "with_mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
-    core = EngineCore(EngineConfig(model=str(tmp_path / "with_mtp"), block_tokens=8, speculative_config=spec))
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path / "with_mtp"), block_tokens=8, kv_cache_memory="48MiB", speculative_config=spec
+        )
+    )
     ref = reference_model(src)
     g = torch.Generator().manual_seed(4)
     for n in (9, 23):

@@ -18,7 +18,15 @@ def test_spec_decode_server_output_and_metrics(
     server: Server, mtp_checkpoint: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
-    spec_server = start_server(mtp_checkpoint("mixed"), "--speculative-config", spec, "--max-num-seqs", "4")
+    spec_server = start_server(
+        mtp_checkpoint("mixed"),
+        "--speculative-config",
+        spec,
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-memory",
+        "48MiB",
+    )
     try:
         body = {"prompt": "It is a truth", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         texts = []
