@@ -53,7 +53,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     raw = read_config(config.model)
     cfg = DeepseekV4Config.from_dict(raw)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    specs = cache_specs(cfg, dtype, kv_cache_dtype=config.kv_cache_dtype)
+    specs = cache_specs(
+        cfg, dtype, include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
+    )
     block_tokens = config.resolve_block_tokens([s.stride for s in specs])
     plan = build_plan(
         specs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
@@ -50,6 +51,52 @@ def parse_size(text: str | int) -> int:
 
 def default_model_path() -> str:
     return str(Path(__file__).parent / "assets" / "austen-v4")
+
+
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: the draft method and how many tokens it drafts per step."""
+
+    method: str
+    num_speculative_tokens: int
+    # Measure output tokens/s per load level and draft fewer (or none) where that is faster.
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None  # vLLM's: no drafts while this many requests run
+
+    @staticmethod
+    def parse(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON ({exc}): {value!r}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        keys = ("method", "num_speculative_tokens", "adaptive", "disable_by_batch_size")
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            known = ", ".join(keys)
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {known})")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            supported = list(SPECULATIVE_METHODS)
+            raise ValueError(f"speculative_config: unknown method {method!r}; supported: {supported}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        adaptive, off_at = value.get("adaptive", True), value.get("disable_by_batch_size")
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+        if off_at is not None and (not isinstance(off_at, int) or isinstance(off_at, bool) or off_at < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 1, got {off_at!r}"
+            )
+        return SpeculativeConfig(str(method), k, adaptive, off_at)
 
 
 @dataclass
@@ -149,6 +196,12 @@ class EngineConfig:
         default=30.0,
         metadata={"help": "seconds a handoff may wait: held blocks, queued imports, transfers"},
     )
+    speculative_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": 'speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\''
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -163,6 +216,11 @@ class EngineConfig:
         self._check_data_parallel()
         if self.disaggregation_mode is not None and self.data_parallel_size > 1:
             raise ValueError("--disaggregation-mode runs one engine-core rank (--data-parallel-size 1)")
+        if self.speculative is not None and (self.data_parallel_size > 1 or self.disaggregation_mode):
+            raise ValueError(
+                "--speculative-config is not combined with --data-parallel-size > 1 or "
+                "--disaggregation-mode yet (the MTP layer's MoE and its draft window are per engine)"
+            )
 
     def _check_data_parallel(self) -> None:
         n, local, start = self.data_parallel_size, self.local_ranks, self.data_parallel_start_rank
@@ -185,6 +243,10 @@ class EngineConfig:
     def expert_parallel(self) -> bool:
         """Whether the ranks run the MoE layers together (else they are independent replicas)."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -182,3 +182,24 @@ def load_reference(folder: Path, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+
+
+def add_random_mtp(src: Path, dst: Path, seed: int = 1) -> Any:
+    """Copy a tiny checkpoint to ``dst`` with random ``mtp.0.*`` tensors (official layout) added.
+
+    Returns the MTP module the tensors came from (the training code's, only used to make weights).
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hybridserve.train.mtp import MTPModule, mtp_state_to_disk
+
+    shutil.copytree(src, dst)
+    ref = load_reference(src)
+    torch.manual_seed(seed)
+    mtp = MTPModule(ref.config)
+    randomise(mtp, seed=seed)
+    tensors = load_file(str(src / "model.safetensors")) | mtp_state_to_disk(mtp)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return mtp.eval()

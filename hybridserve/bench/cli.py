@@ -12,6 +12,7 @@ import httpx
 from hybridserve.bench.client import Endpoint
 from hybridserve.bench.metrics import BenchSummary, Slo, format_table, summarize
 from hybridserve.bench.runner import run_workload
+from hybridserve.bench.spec_decode import scrape_counters
 from hybridserve.bench.workloads import (
     BenchRequest,
     multi_turn_workload,
@@ -64,6 +65,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for i, level in enumerate(levels):
         # Fresh prompts per level: a server's prefix cache must not profit from an earlier level.
         requests = _workload(args, tokenizer, args.seed + 7919 * i)
+        before = scrape_counters(args.base_url, args.api_key)
         results, duration = asyncio.run(
             run_workload(
                 ep,
@@ -88,6 +90,9 @@ def run_bench(args: argparse.Namespace) -> int:
             "seed": args.seed + 7919 * i,
         }
         summary = summarize(results, duration, slo, config)
+        after = scrape_counters(args.base_url, args.api_key)
+        if before is not None and after is not None:
+            summary.spec_decode = (after - before).summary()
         print(f"\n== {args.label}: concurrency {level or 'unbounded'} ==\n{format_table(summary)}")
         points.append((level or len(requests), summary))
     if args.result_json:

@@ -57,6 +57,7 @@ class BenchSummary:
     e2el_ms: dict[str, float]
     errors: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    spec_decode: dict[str, float] | None = None  # acceptance figures (bench/spec_decode.py), if drafted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +109,9 @@ def format_table(s: BenchSummary) -> str:
                 f"{d['mean']:.1f} / {d['p50']:.1f} / {d['p90']:.1f} / {d['p99']:.1f}",
             )
         )
+    if s.spec_decode is not None:
+        rows.append(("Draft acceptance rate (%)", f"{100 * s.spec_decode['acceptance_rate']:.1f}"))
+        rows.append(("Mean acceptance length (tokens)", f"{s.spec_decode['mean_acceptance_length']:.2f}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if s.errors:

@@ -78,11 +78,17 @@ class CachePlan:
         for g in self.groups:
             s = g.spec
             window = str(s.window_tokens) if s.kind is GroupKind.WINDOW else "-"
+            kind = f"{s.kind.value}{'*' if s.draft else ''}"
             lines.append(
-                f"{s.name:<12}{s.kind.value:<9}{s.stride:>7}{window:>8}{len(s.layers):>7}"
+                f"{s.name:<12}{kind:<9}{s.stride:>7}{window:>8}{len(s.layers):>7}"
                 f"{s.bytes_per_token:>10.1f}{g.rows_per_block:>9}{g.usable_blocks:>9}"
                 f"{_fmt_bytes(g.total_bytes):>11}"
             )
+        draft = [g for g in self.groups if g.spec.draft]
+        if draft:
+            names = ", ".join(g.spec.name for g in draft)
+            size = _fmt_bytes(sum(g.total_bytes for g in draft))
+            lines.append(f"* draft groups (speculative decoding): {names}, {size}")
         cap = self.max_request_tokens()
         lines.append(f"longest request that fits alone: {cap:,} tokens")
         if request_tokens:

@@ -33,6 +33,8 @@ class CacheGroupSpec:
     ``stride`` is the number of tokens per row (1 for per-token state, m for compressed rows).
     For WINDOW groups, ``window_tokens`` is how many tokens before the next position to compute
     must still be readable; blocks entirely before that are recycled while the request runs.
+    ``draft`` marks state of a speculative drafter (the MTP layer's window), kept beside the target
+    model's groups in the same plan: allocated, zeroed, freed and prefix-cached with them.
     """
 
     name: str
@@ -41,6 +43,7 @@ class CacheGroupSpec:
     fields: tuple[RowField, ...]
     layers: tuple[str, ...]
     window_tokens: int = 0
+    draft: bool = False
 
     def __post_init__(self) -> None:
         assert self.stride >= 1 and self.fields and self.layers

@@ -25,11 +25,11 @@ def build_forward_batch(
     req_indices: list[int] = []
     logits_indices: list[int] = []
     for r, s in enumerate(scheduled):
-        ids += s.request.all_token_ids[s.start : s.end]
+        ids += s.token_ids if s.num_spec else s.request.all_token_ids[s.start : s.end]
         positions += range(s.start, s.end)
         req_indices += [r] * s.num_tokens
-        if s.samples:
-            logits_indices.append(len(ids) - 1)
+        if s.samples:  # the last known token's logits, then one per draft (verification)
+            logits_indices += range(len(ids) - 1 - s.num_spec, len(ids))
     layout = BatchLayout(tuple(s.start for s in scheduled), tuple(s.end for s in scheduled), pad_windows)
     host = host_tensor(ids + positions + req_indices + list(layout.ends) + logits_indices)
     sizes = [len(ids)] * 3 + [len(scheduled), len(logits_indices)]

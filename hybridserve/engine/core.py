@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
@@ -19,10 +21,13 @@ from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
+from hybridserve.engine.rejection_sampler import Verified
 from hybridserve.engine.request import FinishReason, Logprob, Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.spec_control import DraftController
+from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.structured import StructuredOutputs
 from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
@@ -81,6 +86,11 @@ class EngineSnapshot:
     expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
     collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
     handoff: HandoffStats | None = None  # disaggregated workers: KV blocks sent or received
+    # Speculative decoding (vLLM's spec_decode counters); accepted_per_pos[i]: draft i accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -114,6 +124,7 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
         self.structured = StructuredOutputs(config.model, self.model.cfg.vocab_size, self.eos_token_ids)
         self.runner = self._build_runner()
+        self.spec = self._build_spec_decoder()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.role = build_role(
@@ -160,6 +171,15 @@ class EngineCore:
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
         run_dummy_moe(self.model.layers, self.model.cfg.hidden_size, self.device, self.dtype)
+    def _build_spec_decoder(self) -> SpecDecoder | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        control = DraftController(k, spec.adaptive, spec.disable_by_batch_size)
+        return SpecDecoder(
+            self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k, control
+        )
 
     def _cache_salt(self) -> bytes:
         """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
@@ -172,7 +192,15 @@ class EngineCore:
                 "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
                 "per token)"
             )
-        specs = self.model.cache_specs(kv_cache_dtype=self.config.kv_cache_dtype)
+        spec = self.config.speculative
+        if spec is not None and not self.model.mtp:
+            raise ValueError(
+                f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
+                f"{self.config.model} has none; serve it without --speculative-config"
+            )
+        specs = self.model.cache_specs(
+            include_mtp=spec is not None, kv_cache_dtype=self.config.kv_cache_dtype
+        )
         block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
         return build_plan(
             specs,
@@ -275,12 +303,17 @@ class EngineCore:
         if not out.scheduled:
             return early
         self.stats.steps += 1
+        if self.spec is not None:
+            return early + self._spec_step(out, self.spec)
+        return early + self._plain_step(out)
+
+    def _plain_step(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
             return self._fail_step(out, exc)
         self.stats.consecutive_failures = 0
-        outputs = early
+        outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens = s.end
@@ -296,6 +329,94 @@ class EngineCore:
             if self.finish_request(request_id, FinishReason.ERROR):
                 early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
         return early
+    def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
+        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
+
+        With no drafts to verify and none wanted for the next step (load control), a plain step."""
+        start = time.perf_counter()
+        choice = spec.control.choose(len(self.scheduler.running))
+        plain = choice == 0 and not any(s.num_spec for s in out.scheduled)
+        if plain:
+            for s in out.scheduled:
+                s.request.drop_drafts()  # any left are for positions this step moves past
+            outputs = self._plain_step(out)
+        else:
+            outputs = self._verify_and_draft(out, spec, choice)
+        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=not plain)
+        return outputs
+
+    def _verify_and_draft(
+        self, out: SchedulerOutput, spec: SpecDecoder, choice: int
+    ) -> list[EngineCoreOutput]:
+        try:
+            samples = [s.samples for s in out.scheduled]  # before the new tokens change the answer
+            verified = spec.execute(out)
+            self.stats.consecutive_failures = 0
+            outputs, finished = self._commit_verified(out, samples, verified)
+            done = {r.request_id for r, _, _ in finished}
+            load = (len(self.scheduler.running), self.config.max_num_batched_tokens)
+            drafts = [
+                0
+                if s.request.request_id in done or not sampled
+                else min(choice, spec.num_drafts(s.request, self.max_request_tokens, *load))
+                for s, sampled in zip(out.scheduled, samples, strict=True)
+            ]
+            spec.propose(out.scheduled, drafts)
+        except Exception as exc:
+            for s in out.scheduled:
+                s.request.drop_drafts()
+            return self._fail_step(out, exc)
+        for s in out.scheduled:
+            req = s.request
+            self.coordinator.publish(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        for req, reason, stop_reason in finished:
+            self.finish_request(req.request_id, reason, stop_reason)
+        return outputs
+
+    def _commit_verified(
+        self, out: SchedulerOutput, samples: list[bool], verified: list[Verified]
+    ) -> tuple[list[EngineCoreOutput], list[tuple[Request, FinishReason, int | str | None]]]:
+        """Append each request's verified tokens and truncate its blocks to what they verified.
+        -> (outputs, requests to finish once the step is done: (request, reason, stop reason))."""
+        results = iter(verified)
+        outputs: list[EngineCoreOutput] = []
+        finished: list[tuple[Request, FinishReason, int | str | None]] = []
+        for s, sampled in zip(out.scheduled, samples, strict=True):
+            req = s.request
+            req.num_computed_tokens = s.end - s.num_spec
+            if not sampled:
+                continue
+            output, reason = self._append_tokens(req, next(results).results)
+            outputs.append(output)
+            req.num_computed_tokens = req.num_tokens - 1  # the last token is not computed
+            self.coordinator.truncate(req.request_id, req.num_computed_tokens)
+            if reason is not None:
+                finished.append((req, reason, output.stop_reason))
+        return outputs, finished
+
+    def _append_tokens(
+        self, req: Request, results: list[SampleResult]
+    ) -> tuple[EngineCoreOutput, FinishReason | None]:
+        """Append verified tokens up to the first that ends the request (EOS, stop token, length)."""
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob]] = []
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        for res in results:
+            req.output_token_ids.append(res.token_id)
+            tokens.append(res.token_id)
+            if res.top is not None:
+                logprobs.append(res.top)
+            reason, stop_reason = self._stop(req, res.token_id)
+            if reason is not None:
+                break
+        self.stats.generation_tokens += len(tokens)
+        output = EngineCoreOutput(
+            req.request_id, tokens, logprobs or None, reason, stop_reason, req.num_cached_tokens
+        )
+        if len(req.output_token_ids) == len(tokens):  # the request's first tokens
+            output.prompt_logprobs = prompt_logprobs_of(req)
+        return output, reason
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         log.exception("an engine step failed; failing its %d requests", len(out.scheduled))
@@ -381,6 +502,7 @@ class EngineCore:
             expert_tokens=self._expert_tokens(),
             collective_s=sum(e.comm_s for e in parallel_experts(self.model)),
             handoff=self.role.stats if self.role is not None else None,
+            **self._spec_snapshot(),
         )
 
     def _expert_tokens(self) -> dict[int, int]:
@@ -389,6 +511,17 @@ class EngineCore:
             for i, n in enumerate(experts.tokens_per_expert):
                 counts[experts.range.start + i] = counts.get(experts.range.start + i, 0) + n
         return counts
+
+    def _spec_snapshot(self) -> dict[str, Any]:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return {
+            "spec_num_drafts": st.num_drafts,
+            "spec_num_draft_tokens": st.num_draft_tokens,
+            "spec_num_accepted_tokens": st.num_accepted_tokens,
+            "spec_accepted_per_pos": list(st.accepted_per_pos),
+        }
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

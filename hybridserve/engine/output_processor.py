@@ -71,38 +71,46 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue
-            hit = self._update(state, out)
+            hit, new_ids = self._update(state, out)
             if hit is not None:
                 stopped.append((out.request_id, hit))
             finished = state.finish_reason is not None
-            results.append(self._output(state, out.new_token_ids, finished))
+            results.append(self._output(state, new_ids, finished))
             if finished:
                 del self.states[out.request_id]
         return results, stopped
 
-    def _update(self, state: RequestState, out: EngineCoreOutput) -> str | None:
-        state.token_ids += out.new_token_ids
+    def _update(self, state: RequestState, out: EngineCoreOutput) -> tuple[str | None, list[int]]:
+        """-> (the stop string hit, the tokens kept). A step may bring several tokens (speculative
+        decoding): a stop string ends the output at the token that completes it, as one token per
+        step would."""
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             for entry in out.prompt_logprobs:
                 self._name_tokens(entry or {})
             state.prompt_logprobs = out.prompt_logprobs
-        if out.new_logprobs is not None and state.logprobs is not None:
-            for tok, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
-                self._name_tokens(entry)
-                state.logprobs.append(entry)
-                state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry[tok].logprob
         if out.finish_reason is not None:
             state.finish_reason, state.stop_reason = out.finish_reason.value, out.stop_reason
-        if state.detokenizer is None:
-            return None
-        before = len(state.text)
-        for tok in out.new_token_ids:
+        logprobs = out.new_logprobs if state.logprobs is not None else None
+        for n, tok in enumerate(out.new_token_ids):
+            state.token_ids.append(tok)
+            if logprobs is not None:
+                self._add_logprobs(state, tok, logprobs[n])
+            if state.detokenizer is None:
+                continue
+            before = len(state.text)
             state.text += state.detokenizer.step(tok)
-        hit = self._find_stop(state, before)
-        if hit is not None:
-            state.finish_reason, state.stop_reason = FinishReason.STOP.value, hit
-        return hit
+            hit = self._find_stop(state, before)
+            if hit is not None:
+                state.finish_reason, state.stop_reason = FinishReason.STOP.value, hit
+                return hit, out.new_token_ids[: n + 1]
+        return None, out.new_token_ids
+
+    def _add_logprobs(self, state: RequestState, tok: int, entry: dict) -> None:
+        assert state.logprobs is not None
+        self._name_tokens(entry)
+        state.logprobs.append(entry)
+        state.cumulative_logprob = (state.cumulative_logprob or 0.0) + entry[tok].logprob
 
     def _find_stop(self, state: RequestState, before: int) -> str | None:
         params = state.request.params

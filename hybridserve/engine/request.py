@@ -263,6 +263,10 @@ class Request:
     num_preemptions: int = 0
     remote_decode: bool = False  # prefill worker: hand the blocks off after the first token
     remote_prefill: RemotePrefill | None = None  # decode worker: the prompt ran elsewhere
+    # Speculative decoding: tokens drafted for the next positions (not yet verified) and, for requests
+    # that sample at random, the distribution [len(spec_token_ids), V] each draft was drawn from.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # position p: token p + 1
 
     def __post_init__(self) -> None:
@@ -289,7 +293,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def drop_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_probs = None
+
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.drop_drafts()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

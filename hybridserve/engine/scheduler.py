@@ -15,7 +15,8 @@ from hybridserve.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step
-    num_tokens: int
+    num_tokens: int  # including the drafts
+    num_spec: int = 0  # the last num_spec tokens are the request's drafts, verified this step
 
     @property
     def end(self) -> int:
@@ -24,7 +25,13 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's known tokens (a new token follows)."""
-        return self.end == self.request.num_tokens
+        return self.end - self.num_spec == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the drafts being verified."""
+        known = self.request.all_token_ids[self.start : self.end - self.num_spec]
+        return known + self.request.spec_token_ids[: self.num_spec] if self.num_spec else known
 
 
 @dataclass
@@ -141,8 +148,9 @@ class Scheduler:
         self, req: Request, budget: int, chosen: dict[str, ScheduledRequest], out: SchedulerOutput
     ) -> ScheduledRequest | None:
         start = req.num_computed_tokens
-        n = min(req.num_tokens - start, budget)
-        older = self.running[: self.running.index(req)] if n > 1 and self.reserve_lookahead else []
+        prefill = req.num_tokens - start > 1
+        n = min(req.num_tokens - start + (0 if prefill else len(req.spec_token_ids)), budget)
+        older = self.running[: self.running.index(req)] if prefill and self.reserve_lookahead else []
         if older:  # a prefill chunk leaves older running requests room to grow
             fit = self._allocate(req, start, n, self._reserve(older, chosen))
             if not fit:
@@ -151,8 +159,8 @@ class Scheduler:
             return ScheduledRequest(req, start, fit)
         while True:
             fit = self._allocate(req, start, n)
-            if fit:
-                return ScheduledRequest(req, start, fit)
+            if fit:  # a decode that does not fit with all its drafts verifies fewer
+                return ScheduledRequest(req, start, fit, 0 if prefill else fit - 1)
             victim = self.running[-1]
             self._preempt(victim, chosen, out)
             if victim is req:
@@ -204,6 +212,7 @@ class Scheduler:
         self.running.remove(req)
         chosen.pop(req.request_id, None)
         self.coordinator.release(req.request_id)
+        req.drop_drafts()
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1

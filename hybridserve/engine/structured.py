@@ -261,7 +261,7 @@ class StructuredOutputs:
             return len(drafts) + 1
         matcher, taken = state.matcher, 0
         for k in range(len(drafts) + 1):
-            if taken < k:
+            if taken < k or matcher.is_terminated():  # past a refused draft, or a draft that ended it
                 bitmask[row + k] = -1
                 continue
             matcher.fill_next_token_bitmask(bitmask, row + k)

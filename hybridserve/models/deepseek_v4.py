@@ -8,6 +8,7 @@ transformers 5.23 ``DeepseekV4ForCausalLM``, including its dtype rules.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +29,7 @@ from hybridserve.models.deepseek_v4_meta import (
     CSA_STATE,
     HCA_ROWS,
     HCA_STATE,
+    MTP_KV,
     WINDOW_KV,
     AttentionMeta,
     CompressedMeta,
@@ -331,12 +333,18 @@ class DeepseekV4Model(nn.Module):
     def mtp_forward(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
     ) -> torch.Tensor:
-        """MTP layer ``depth`` at positions t: ``streams`` are the trunk's at t, ``batch.input_ids`` the
-        tokens t+1; its window KV lives in the window group under ``mtp.{depth}``. -> MTP streams."""
+        """MTP layer ``depth`` at positions t: ``streams`` are the trunk's at t (or this layer's own output
+        at t, drafting further), ``batch.input_ids`` the tokens t+1. Its window KV (row t) lives in the
+        draft group ``mtp_kv``; the batch's tables need only that group. -> MTP streams."""
         layer = self.mtp[depth]
         assert isinstance(layer, MTPLayer)
+        # The MTP block is a plain sliding-window layer: it reads its own group as the window group.
+        tables = {WINDOW_KV: batch.block_tables[MTP_KV]}
+        view = dataclasses.replace(batch, block_tables=tables)
+        key = layer.block.attn.key  # every field of its rows (FP8 rows have several)
+        own = {(WINDOW_KV, k[1], k[2]): t for k, t in cache.items() if k[0] == MTP_KV and k[1] == key}
         embeds = self.embed_tokens(batch.input_ids)
-        return layer(streams, embeds, batch.input_ids, self.attention_meta(batch), cache, self.rotary())
+        return layer(streams, embeds, batch.input_ids, self.attention_meta(view), own, self.rotary())
 
     def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """Logits for t+2 from the MTP layer's streams: its own hc_head and norm, the shared head."""
@@ -444,9 +452,6 @@ def cache_specs(
     d, i = cfg.head_dim, cfg.index_head_dim
     kv = _kv_fields(cfg, dtype, kv_cache_dtype)
     layers = [f"layers.{n}" for n in range(cfg.num_hidden_layers)]
-    window_layers = layers + (
-        [f"mtp.{n}" for n in range(cfg.num_nextn_predict_layers)] if include_mtp else []
-    )
     csa = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == CSA]
     hca = [k for k, t in zip(layers, cfg.layer_types, strict=True) if t == HCA]
     specs = [
@@ -455,10 +460,16 @@ def cache_specs(
             GroupKind.WINDOW,
             1,
             kv("kv", d),
-            tuple(window_layers),
+            tuple(layers),
             window_tokens=cfg.sliding_window - 1,
         )
     ]
+    if include_mtp and cfg.num_nextn_predict_layers:
+        mtp = tuple(f"mtp.{n}" for n in range(cfg.num_nextn_predict_layers))
+        window = cfg.sliding_window - 1
+        specs.append(
+            CacheGroupSpec(MTP_KV, GroupKind.WINDOW, 1, kv("kv", d), mtp, window_tokens=window, draft=True)
+        )
     if csa:
         m = cfg.compress_rates[CSA]
         state = tuple(

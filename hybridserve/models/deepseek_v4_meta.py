@@ -23,6 +23,7 @@ CSA_STATE = "csa_state"
 HCA_STATE = "hca_state"
 CSA_ROWS = "csa_rows"
 HCA_ROWS = "hca_rows"
+MTP_KV = "mtp_kv"  # the MTP layers' window KV: a draft group, read like WINDOW_KV by those layers
 
 
 @dataclass

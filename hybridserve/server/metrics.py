@@ -63,6 +63,7 @@ class _EngineCollector(Collector):
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
         yield from _rank_metrics(llm.rank_stats)
+        yield from _spec_decode_metrics(stats)
 
 
 def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
@@ -105,6 +106,25 @@ def _handoff_metrics(h: HandoffStats) -> Iterator[Metric]:
     for name, n in h.bytes_by_group.items():
         moved.add_metric([name], n)
     yield moved
+
+
+def _spec_decode_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (present, at zero, when speculation is off)."""
+    yield _counter("hybridserve_spec_decode_num_drafts", "draft sequences verified", stats.spec_num_drafts)
+    yield _counter(
+        "hybridserve_spec_decode_num_draft_tokens", "draft tokens verified", stats.spec_num_draft_tokens
+    )
+    yield _counter(
+        "hybridserve_spec_decode_num_accepted_tokens", "draft tokens accepted", stats.spec_num_accepted_tokens
+    )
+    per_pos = CounterMetricFamily(
+        "hybridserve_spec_decode_num_accepted_tokens_per_pos",
+        "draft tokens accepted at each draft position",
+        labels=["position"],
+    )
+    for pos, n in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

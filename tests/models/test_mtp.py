@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.models.loader import load_model
-from hybridserve.train.mtp import MTPModule, mtp_state_to_disk
+from hybridserve.train.mtp import MTPModule
 from tests.reference import reference_model
-from tests.tiny_models import VOCAB, randomise
+from tests.tiny_models import VOCAB, add_random_mtp
 
 
 def _with_mtp(src: Path, dst: Path) -> MTPModule:
     """Copy a tiny checkpoint and add random ``mtp.0.*`` tensors in the official layout."""
-    shutil.copytree(src, dst)
-    ref = reference_model(src)
-    torch.manual_seed(1)
-    mtp = MTPModule(ref.config)
-    randomise(mtp, seed=1)
-    tensors = load_file(str(src / "model.safetensors")) | mtp_state_to_disk(mtp)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return mtp.eval()
+    return add_random_mtp(src, dst)  # type: ignore[no-any-return]
 
 
 def _batch(ids: list[int], positions: range, tables: dict[str, list[int]], block: int) -> ForwardBatch:
@@ -85,3 +76,76 @@ def _pre_head_streams(ref: object, ids: list[int]) -> torch.Tensor:
     finally:
         hook.remove()
     return captured[0]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _model_card_drafts(ref: object, mtp: MTPModule, ids: list[int], first: int, k: int) -> list[int]:
+    """Drafts from the DeepSeek-V4 model card's MTP formula, composed here from transformers' parts:
+
+        x_t = h_proj(hnorm(h_t)) + e_proj(enorm(embed(tok_{t+1})))   (per hyper-connection stream)
+        y = block(x)  (one sliding-window decoder layer over the MTP positions, causal)
+        logits_{t+2} = head(norm(hc_head(y_t)))
+
+    and for k > 1 the same layer again, one position further, on its own output y and its own draft.
+    """
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    cfg, eps = mtp.config, mtp.config.rms_norm_eps
+    embed, head = ref.model.embed_tokens, ref.lm_head  # type: ignore[attr-defined]
+
+    def inputs(h: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        e = mtp.e_proj(_rms(embed(torch.tensor([tokens])), mtp.enorm.weight, eps))
+        return mtp.h_proj(_rms(h, mtp.hnorm.weight, eps)) + e.unsqueeze(-2)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        rotary = DeepseekV4RotaryEmbedding(cfg)
+        rope = {kind: rotary(x, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        delta = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        mask = torch.zeros(n, n).masked_fill(~((delta >= 0) & (delta < cfg.sliding_window)), float("-inf"))
+        return mtp.block(x, position_embeddings=rope, position_ids=pos, attention_mask=mask[None, None])
+
+    def draft(y_last: torch.Tensor) -> int:
+        return int(head(_rms(mtp.hc_head(y_last), mtp.norm.weight, eps))[0, -1].argmax())
+
+    x = inputs(_pre_head_streams(ref, ids), [*ids[1:], first])
+    drafts: list[int] = []
+    y = block(x)
+    for _ in range(k):
+        drafts.append(draft(y[:, -1:]))
+        x = torch.cat([x, inputs(y[:, -1:], drafts[-1:])], dim=1)
+        y = block(x)
+    return drafts
+
+
+def test_mtp_drafts_match_the_model_card_formula(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The engine's k = 3 drafts after a prefill, against the formula evaluated on the reference's trunk."""
+    from hybridserve.config import EngineConfig
+    from hybridserve.engine.core import EngineCore
+    from hybridserve.engine.request import Request, SamplingParams
+
+    src = tiny_checkpoint("mixed")
+    mtp = _with_mtp(src, tmp_path / "with_mtp")
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path / "with_mtp"), block_tokens=8, kv_cache_memory="48MiB", speculative_config=spec
+        )
+    )
+    ref = reference_model(src)
+    g = torch.Generator().manual_seed(4)
+    for n in (9, 23):
+        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        req = Request(f"r{n}", ids, SamplingParams(temperature=0, max_tokens=8))
+        core.add_request(req)
+        (out,) = core.step()
+        with torch.no_grad():
+            expected = _model_card_drafts(ref, mtp, ids, out.new_token_ids[0], 3)
+        assert req.spec_token_ids == expected
+        core.abort_request(req.request_id)

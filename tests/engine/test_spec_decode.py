@@ -1,0 +1,252 @@
+"""MTP speculative decoding: greedy output equals transformers' batch-1 reference, token for token.
+
+Drafts come from the real MTP layer (random weights: it is almost always wrong) or from an oracle that
+proposes the reference's own continuation with deliberate mistakes, so that verification accepts runs of
+every length and rolls back at every offset. After every step, every cache row past a request's verified
+end is poisoned: a forward that read a rolled-back row would change the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.core import EngineCore
+from tests.engine.spec_helpers import mtp, oracle_drafts, poison_unverified_rows
+from tests.proofs import prove_mismatch
+from tests.reference import reference_greedy
+from tests.tiny_models import VOCAB
+
+MAX_NEW = 12
+KV = "48MiB"  # pools of a few MiB per engine (the default 1 GiB is resident once zeroed)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (shared_prefix,), generator=g).tolist()
+    lengths = torch.randint(1, 41, (n,), generator=g).tolist()
+    return [prefix + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+def _poisoning(core: EngineCore) -> None:
+    step = core.step
+
+    def poisoned_step() -> list:
+        outputs = step()
+        poison_unverified_rows(core)
+        return outputs
+
+    core.step = poisoned_step  # type: ignore[method-assign]
+
+
+CASES = {
+    "batched": (dict(max_num_seqs=8, max_num_batched_tokens=64), 0),
+    "chunked": (dict(max_num_seqs=4, max_num_batched_tokens=13), 0),
+    "preempting": (
+        dict(max_num_seqs=8, max_num_batched_tokens=32, num_blocks=12, enable_prefix_caching=False),
+        0,
+    ),
+    "prefix_cached": (dict(max_num_seqs=4, max_num_batched_tokens=32), 20),
+}
+
+
+def _check(folder: Path, prompts: list[list[int]], outputs: list, expected: list[list[int]]) -> None:
+    mismatched = 0
+    for prompt, out, exp in zip(prompts, outputs, expected, strict=True):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == MAX_NEW and out.outputs[0].finish_reason == "length"
+        if ours != exp:
+            mismatched += 1
+            print(prove_mismatch(folder, prompt, ours))
+    assert mismatched <= len(prompts) // 4
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_with_mtp_equals_batch1_reference(
+    tiny_checkpoint: Callable[[str], Path],
+    mtp_checkpoint: Callable[[str], Path],
+    case: str,
+    k: int,
+) -> None:
+    base = tiny_checkpoint("mixed")
+    kwargs, shared = CASES[case]
+    prompts = _prompts(6, seed=5, shared_prefix=shared)
+    expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
+    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
+        llm = LLM(
+            str(mtp_checkpoint("mixed")),
+            block_tokens=8,
+            kv_cache_memory=KV,
+            speculative_config=mtp(k),
+            **kwargs,
+        )
+        _poisoning(llm.engine)
+        _check(base, prompts, llm.generate(prompts, GREEDY), expected)
+    snap = llm.engine.snapshot()
+    assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
+    assert sum(snap.spec_accepted_per_pos) == snap.spec_num_accepted_tokens
+    assert len(snap.spec_accepted_per_pos) == k
+    if case == "preempting":
+        assert snap.num_preemptions > 0
+    if shared:
+        assert snap.prefix_hit_tokens > 0
+    llm.engine.pools.check_integrity()
+    llm.engine.reset_prefix_cache()
+    assert llm.engine.pools.all_free()
+
+
+@pytest.mark.parametrize("model_name", ["mixed", "csa_heavy"])
+def test_random_mtp_drafter_never_changes_a_token(
+    tiny_checkpoint: Callable[[str], Path], mtp_checkpoint: Callable[[str], Path], model_name: str
+) -> None:
+    """The MTP layer's own (random, nearly always rejected) drafts: output equals speculation off."""
+    prompts = _prompts(6, seed=2)
+    kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24)
+    plain = LLM(str(mtp_checkpoint(model_name)), **kwargs).generate(prompts, GREEDY)
+    llm = LLM(str(mtp_checkpoint(model_name)), speculative_config=mtp(3), **kwargs)
+    _poisoning(llm.engine)
+    spec = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.snapshot().spec_num_draft_tokens > 0
+    assert llm.engine.pools.all_free() or llm.engine.coordinator.enable_prefix_caching
+
+
+def test_stops_inside_an_accepted_run_end_at_the_right_token(
+    tiny_checkpoint: Callable[[str], Path],
+    mtp_checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop token, EOS, a stop string, max_tokens or max_model_len inside a run of accepted drafts."""
+    base = tiny_checkpoint("mixed")
+    prompts = _prompts(4, seed=9)
+    expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
+    continuations = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    stop_ids = [[e[5]] for e in expected]
+    cases = [
+        [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=s) for s in stop_ids],
+        [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True) for _ in prompts],
+        [SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=4, stop_token_ids=s) for s in stop_ids],
+    ]
+    kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=32)
+    plain = LLM(str(mtp_checkpoint("mixed")), **kwargs)
+    with oracle_drafts(continuations, wrong=0.0):
+        llm = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), **kwargs)
+        for params in cases:
+            ours, theirs = llm.generate(prompts, params), plain.generate(prompts, params)
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert (a.outputs[0].finish_reason, a.outputs[0].stop_reason) == (
+                    b.outputs[0].finish_reason,
+                    b.outputs[0].stop_reason,
+                )
+        # A stop string completed by a token in the middle of an accepted run.
+        text = plain.generate(prompts[:1], GREEDY)[0].outputs[0].text
+        stop = text[len(text) // 3 : len(text) // 3 + 2] if len(text.strip()) > 6 else None
+        if stop:
+            params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop])
+            a, b = llm.generate(prompts[:1], params)[0], plain.generate(prompts[:1], params)[0]
+            assert (a.outputs[0].text, a.outputs[0].token_ids) == (b.outputs[0].text, b.outputs[0].token_ids)
+            assert a.outputs[0].finish_reason == "stop"
+        # The context limit: a request may grow to max_model_len and no further.
+        short = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), max_model_len=48, **kwargs)
+        short_plain = LLM(str(mtp_checkpoint("mixed")), max_model_len=48, **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        ours, theirs = short.generate(prompts, params), short_plain.generate(prompts, params)
+        for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+            assert len(prompt) + len(a.outputs[0].token_ids) == 48
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert llm.engine.snapshot().spec_num_accepted_tokens > 0
+
+
+def test_drafts_count_against_the_token_budget(
+    mtp_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(
+        str(mtp_checkpoint("mixed")),
+        block_tokens=8,
+        kv_cache_memory=KV,
+        max_num_seqs=4,
+        max_num_batched_tokens=10,
+        speculative_config=mtp(3),
+    )
+    seen: list[int] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording() -> object:
+        out = schedule()
+        seen.append(out.num_tokens)
+        return out
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording)
+    llm.generate(_prompts(4, seed=1), GREEDY)
+    assert max(seen) <= 10
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 1}, "unknown method"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, ">= 1"),
+        ({"method": "mtp"}, ">= 1"),
+        ('{"method": "mtp", ', "not valid JSON"),
+    ],
+)
+def test_bad_speculative_config_is_refused(
+    tiny_checkpoint: Callable[[str], Path], config: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=config)
+
+
+def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="needs MTP weights"):
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
+
+
+def test_generate_and_plan_take_the_speculative_config(
+    mtp_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture
+) -> None:
+    from hybridserve.cli import main
+
+    folder, spec = str(mtp_checkpoint("mixed")), '{"method": "mtp", "num_speculative_tokens": 2}'
+    args = ["--model", folder, "--speculative-config", spec, "--kv-cache-memory", KV]
+    assert main(["generate", *args, "--max-tokens", "4", "hi"]) == 0
+    assert main(["plan", "--model", folder, "--speculative-config", spec, "--num-blocks", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "[4 tokens" in out and "mtp_kv" in out and "draft groups" in out
+    assert main(["generate", "--model", folder, "--speculative-config", '{"method": "ngram"}', "hi"]) == 2
+    assert "unknown method 'ngram'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_grammar_constrains_drafts_and_verification(
+    mtp_checkpoint: Callable[[str], Path], temperature: float
+) -> None:
+    """Structured outputs under speculation: greedy text equals speculation off; sampled text matches."""
+    import re
+
+    from hybridserve.engine.request import StructuredOutputsParams
+
+    folder = str(mtp_checkpoint("mixed"))
+    pattern = r"[a-e]{2,5}-[0-9]{1,3}"
+    params = SamplingParams(
+        temperature=temperature,
+        max_tokens=16,
+        seed=3,
+        structured_outputs=StructuredOutputsParams(regex=pattern),
+    )
+    prompts = _prompts(3, seed=4)
+    spec = LLM(folder, block_tokens=8, kv_cache_memory=KV, speculative_config=mtp(3)).generate(
+        prompts, params
+    )
+    for out in spec:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    if temperature == 0:
+        plain = LLM(folder, block_tokens=8, kv_cache_memory=KV).generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
