@@ -68,6 +68,18 @@ class CachePlan:
                 limit = 0
         return limit
 
+    def check_usable(self) -> None:
+        """Raise CachePlanError when a window group cannot hold one prefill chunk: no request could run."""
+        chunk = self.max_num_batched_tokens
+        for g in self.groups:
+            need = self.blocks_for(g, 0, chunk + g.spec.window_tokens)
+            if g.spec.kind is GroupKind.WINDOW and need > g.usable_blocks:
+                raise CachePlanError(
+                    f"cache group {g.spec.name!r} has {g.usable_blocks} blocks but one prefill chunk of "
+                    f"{chunk} tokens with its {g.spec.window_tokens}-token window needs {need}: no request "
+                    f"could run (raise --num-blocks / --kv-cache-memory or lower --max-num-batched-tokens)"
+                )
+
     def describe(self, request_tokens: int | None = None) -> str:
         """A table of the groups: bytes per token, blocks, memory, and what fits."""
         lines = [f"block_tokens={self.block_tokens}  total={_fmt_bytes(self.total_bytes)}"]

@@ -110,6 +110,7 @@ class EngineCore:
             shard=shard,
         )
         self.plan = self._build_plan()
+        self.plan.check_usable()
         self.pools = BlockPoolSet(self.plan, self.device)
         self.coordinator = KvCacheCoordinator(
             self.plan, self.pools, config.enable_prefix_caching, hash_salt=self._cache_salt()

@@ -70,3 +70,11 @@ def test_deepseek_v4_groups_and_bytes_per_token() -> None:
     plan = build_plan(list(specs.values()), 32, 4, 128, memory_bytes=8 << 20)
     text = plan.describe(request_tokens=1000)
     assert "csa_rows" in text and "fit at once" in text
+
+
+def test_a_plan_whose_window_cannot_hold_one_prefill_chunk_is_refused_naming_the_fix() -> None:
+    plan = build_plan(toy_specs(window=5), 8, 4, 64, num_blocks=4)  # 64 + 5 tokens need 9 blocks
+    assert plan.max_request_tokens() == 0
+    with pytest.raises(CachePlanError, match=r"'win' has 4 blocks .* needs 9: .*--max-num-batched-tokens"):
+        plan.check_usable()
+    build_plan(toy_specs(window=5), 8, 4, 64, num_blocks=10).check_usable()
