@@ -7,6 +7,7 @@ sockets that the API process binds.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -22,6 +23,7 @@ from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.messages import (
     AddRequest,
     CoreInput,
+    CoreOutput,
     EngineFailed,
     EngineReady,
     FinishRequests,
@@ -41,6 +43,23 @@ log = logging.getLogger("hybridserve.engine")
 _PARENT_CHECK_MS = 1000
 _HANDOFF_POLL_MS = 1
 PLUGINS_ENV = "HYBRIDSERVE_PLUGINS"
+
+
+class ApiProcessGone(Exception):
+    """The API process exited: nobody reads this core's outputs any more."""
+
+
+def send_while_parent_lives(sock: zmq.Socket, data: bytes, parent: int) -> None:
+    """Send ``data``; raise ApiProcessGone once the API process is gone. A plain PUSH send blocks forever
+    once a dead reader's queue is full (SNDHWM), which would leave the core orphaned mid-run."""
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if os.getppid() != parent:
+                raise ApiProcessGone from None
+            sock.poll(_PARENT_CHECK_MS, zmq.POLLOUT)
 
 
 @dataclass
@@ -65,15 +84,18 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
     inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inputs.connect(addresses.inputs)
     outputs.connect(addresses.outputs)
-    status = 1
+    status, parent = 1, os.getppid()
     try:
         load_plugins()
         core = EngineCore(config)
-        outputs.send(encode(_ready(core)))
+        send_while_parent_lives(outputs, encode(_ready(core)), parent)
         status = _core_loop(core, inputs, outputs).run()
+    except ApiProcessGone:
+        log.error("the API process is gone; exiting")
     except BaseException as exc:  # the API process must hear why, then this process exits non-zero
         log.exception("the engine core failed")
-        outputs.send(encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
+        with contextlib.suppress(ApiProcessGone):
+            send_while_parent_lives(outputs, encode(EngineFailed(f"{type(exc).__name__}: {exc}")), parent)
     finally:
         outputs.close(linger=2000)
         inputs.close(linger=0)
@@ -108,6 +130,9 @@ class CoreLoop:
         self.outputs = outputs
         self.parent = os.getppid()
 
+    def send(self, message: CoreOutput) -> None:
+        send_while_parent_lives(self.outputs, encode(message), self.parent)
+
     def run(self) -> int:
         """Until Shutdown (-> 0) or the API process is gone (-> 1); engine failures raise."""
         while True:
@@ -125,7 +150,7 @@ class CoreLoop:
             events = self.core.handoff_events
             step = self.core.step() if self.core.has_unfinished_requests() or self.core.handoff_busy else []
             if step or handled or self.core.handoff_events != events:
-                self.outputs.send(encode(StepOutputs(step, self.core.snapshot())))
+                self.send(StepOutputs(step, self.core.snapshot()))
 
     def _drain(self) -> int | None:
         """Apply every queued message; -> how many, or None on Shutdown."""
@@ -162,7 +187,7 @@ class CoreLoop:
         try:
             self.core.add_request(request)
         except RequestRejected as exc:
-            self.outputs.send(encode(Rejected(message.request_id, str(exc), exc.code, exc.param)))
+            self.send(Rejected(message.request_id, str(exc), exc.code, exc.param))
 
     def _call(self, message: UtilityCall) -> None:
         error = None
@@ -173,7 +198,7 @@ class CoreLoop:
                 getattr(self.core, message.method)()
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        self.outputs.send(encode(UtilityResult(message.call_id, error)))
+        self.send(UtilityResult(message.call_id, error))
 
 
 _UTILITIES = frozenset({"reset_prefix_cache"})

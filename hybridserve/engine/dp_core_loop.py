@@ -18,7 +18,7 @@ from hybridserve.distributed.step_sync import StepSync
 from hybridserve.engine.core import EngineCore, EngineSnapshot
 from hybridserve.engine.core_proc import _PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
-from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input, encode
+from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -47,7 +47,7 @@ class DataParallelCoreLoop(CoreLoop):
                 handled += self._receive(block=True)
             step = self._step() if agreed.any_work else []
             if step or handled:
-                self.outputs.send(encode(StepOutputs(step, self._snapshot())))
+                self.send(StepOutputs(step, self._snapshot()))
             idle = agreed.idle
 
     def _world_alive(self) -> bool:
