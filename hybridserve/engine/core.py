@@ -109,6 +109,7 @@ class EngineCore:
             config.native_fp8_matmul,
             shard=shard,
         )
+        self.parallel_experts = parallel_experts(self.model)  # found once: snapshots read them every step
         self.plan = self._build_plan()
         self.plan.check_usable()
         self.pools = BlockPoolSet(self.plan, self.device)
@@ -501,14 +502,14 @@ class EngineCore:
             failed_steps=self.stats.failed_steps,
             dp_rank=self.config.data_parallel_rank,
             expert_tokens=self._expert_tokens(),
-            collective_s=sum(e.comm_s for e in parallel_experts(self.model)),
+            collective_s=sum(e.comm_s for e in self.parallel_experts),
             handoff=self.role.stats if self.role is not None else None,
             **self._spec_snapshot(),
         )
 
     def _expert_tokens(self) -> dict[int, int]:
         counts: dict[int, int] = {}
-        for experts in parallel_experts(self.model):
+        for experts in self.parallel_experts:
             for i, n in enumerate(experts.tokens_per_expert):
                 counts[experts.range.start + i] = counts.get(experts.range.start + i, 0) + n
         return counts
