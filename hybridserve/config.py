@@ -125,8 +125,15 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
     enforce_eager: bool = field(
-        default=False,
-        metadata={"help": "on CUDA, no torch.compile and no CUDA graphs (CPU always runs eagerly)"},
+        default=False, metadata={"help": "no torch.compile and no CUDA graphs: every step runs eagerly"}
+    )
+    compile_decode: bool | None = field(
+        default=None,
+        metadata={
+            "help": "pure-decode steps over bucketed static shapes through torch.compile (default: on with "
+            "CUDA, where they are also replayed as CUDA graphs; off on CPU, where compiling one shape "
+            "takes 20-90 s on a small machine)"
+        },
     )
     dequantize_weights: bool = field(
         default=False,
@@ -286,7 +293,7 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = os.environ.get(ENV_PREFIX + f.name.upper())
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(
                     flag,
                     action=argparse.BooleanOptionalAction,

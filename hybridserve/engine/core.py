@@ -143,19 +143,23 @@ class EngineCore:
         self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
 
     def _build_runner(self) -> ModelRunner:
-        """On CUDA: compiled mHC and decode steps as CUDA graphs over bucketed static shapes, unless
-        --enforce-eager. On CPU both stay off: measured, compile gains 12-30% of the mHC for tens of
-        seconds of compiling, and padded decode buckets only add work (benchmarks/README.md)."""
-        # Expert-parallel steps exchange host-sized splits every MoE layer: no CUDA graphs.
-        accelerate = self.device.type == "cuda" and not self.config.enforce_eager and self.group is None
-        set_compile(accelerate)
+        """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
+        torch.compile if --compile-decode (default: on CUDA only) and replayed as CUDA graphs on CUDA;
+        on CUDA the other steps' mHC is compiled too. Expert-parallel steps exchange host-sized splits
+        every MoE layer, so they stay eager."""
+        cuda = self.device.type == "cuda"
+        accelerate = not self.config.enforce_eager and self.group is None
+        asked = self.config.compile_decode
+        compiled = accelerate and (asked if asked is not None else cuda)
+        set_compile(accelerate and cuda)
         return ModelRunner(
             self.model,
             self.pools,
             self.coordinator,
             Sampler(self.config.seed, self.structured),
             self.device,
-            decode_graphs=accelerate,
+            decode_graphs=accelerate and (cuda or compiled),
+            compile_decode=compiled,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
@@ -170,9 +174,19 @@ class EngineCore:
         rank, size = self.config.data_parallel_rank, self.config.data_parallel_size
         return init_group(address, rank, size, self.device)
 
+    def warmup(self) -> None:
+        """Compile (and on CUDA capture) the decode step before the first request, and say how long."""
+        graphs = self.runner.decode_graphs
+        if graphs is None:
+            return
+        seconds = graphs.warmup()
+        how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
+        log.info("decode step ready in %.1f s (%s)", seconds, ", ".join(how) or "eager")
+
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
         run_dummy_moe(self.model.layers, self.model.cfg.hidden_size, self.device, self.dtype)
+
     def _build_spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative
         if spec is None:
@@ -331,6 +345,7 @@ class EngineCore:
             if self.finish_request(request_id, FinishReason.ERROR):
                 early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
         return early
+
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
 

@@ -144,13 +144,26 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
         write_rows(cache, (WINDOW_KV, self.key, "kv"), meta.token_slots[WINDOW_KV], kv)
-        keys, visible = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots), meta.window_visible
+        keys = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots)
+        out = self._attend(x, q, q_res, keys, meta, cache)
+        out = apply_rope(out, cos, -sin)
+        return self.wo_b(self._grouped_out(out))
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        q_res: torch.Tensor,
+        keys: torch.Tensor,
+        meta: AttentionMeta,
+        cache: CacheTensors,
+    ) -> torch.Tensor:
+        """Sink attention over the window keys and, in compressed layers, the compressed rows."""
+        visible = meta.window_visible
         if self.compressor is not None:
             ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache)
             keys, visible = torch.cat([keys, ckeys], dim=1), torch.cat([visible, cvisible], dim=1)
-        out = sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, cos, -sin)
-        return self.wo_b(self._grouped_out(out))
+        return sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
 
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         g = self.cfg.o_groups
@@ -211,8 +224,8 @@ class Attention(nn.Module):
     ) -> None:
         """Store this step's compressor inputs, then pool every window the step completes."""
         kv_rows, gate_rows = cache[(state, self.key, fields[0])], cache[(state, self.key, fields[1])]
-        kv_rows.index_copy_(0, slots, comp.wkv(x))
-        gate_rows.index_copy_(0, slots, comp.wgate(x))
+        kv_rows.index_put_((slots,), comp.wkv(x))
+        gate_rows.index_put_((slots,), comp.wgate(x))
         new = cm.new_rows
         if new is None:
             return
@@ -310,7 +323,7 @@ class DeepseekV4Model(nn.Module):
         rates = {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
         return build_meta(batch, self.cfg.sliding_window, rates, self.rotary(), self.dtype)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: compiled decode steps take normal tensors
     def forward(
         self, batch: ForwardBatch, cache: CacheTensors, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
@@ -322,7 +335,7 @@ class DeepseekV4Model(nn.Module):
             streams = layer(streams, batch.input_ids, meta, cache, rotary)
         return streams
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(
         self, streams: torch.Tensor, hc_head: HyperHead | None = None, norm: RMSNorm | None = None
     ) -> torch.Tensor:
