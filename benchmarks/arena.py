@@ -26,7 +26,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import default_model_path
 from hybridserve.engine.scheduler import SchedulerOutput
 
-WORKLOADS = {"long": (1024, 16, 16), "short": (32, 32, 64)}  # prompt tokens, new tokens, requests
+WORKLOADS = {"long": (512, 128, 16), "short": (32, 32, 64)}  # prompt tokens, new tokens, requests
 
 
 def most_running(llm: LLM) -> list[int]:
