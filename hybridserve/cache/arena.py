@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -19,6 +20,25 @@ from hybridserve.cache.plan import GroupPlan
 from hybridserve.cache.pool import BlockPool
 
 NULL_PAGE = 0
+
+
+class SparseTable(dict[int, Any]):
+    """A per-block table that stores only entries other than ``default``: an arena group addresses a
+    block id for every slot of every page (hundreds of millions for a small group of a large arena),
+    and holds few of them."""
+
+    def __init__(self, default: Any) -> None:
+        super().__init__()
+        self.default = default
+
+    def __missing__(self, block: int) -> Any:
+        return self.default
+
+    def __setitem__(self, block: int, value: Any) -> None:
+        if value == self.default:
+            self.pop(block, None)
+        else:
+            super().__setitem__(block, value)
 
 
 class PageArena:
@@ -99,6 +119,9 @@ class ArenaBlockPool(BlockPool):
         self._parked: OrderedDict[int, int] = OrderedDict()  # page -> tick it was parked at
         self._referenced = 0
         arena.pools[self.name] = self
+
+    def _make_tables(self) -> tuple[SparseTable, SparseTable]:
+        return SparseTable(0), SparseTable(None)
 
     def _initial_free(self) -> range:
         return range(0)  # blocks come with the pages this group takes
@@ -277,7 +300,7 @@ class ArenaBlockPool(BlockPool):
             assert all(self.ref_counts[b] == 0 for b in self._blocks_of(page))
             assert any(self.block_hash[b] is not None for b in self._blocks_of(page))
             assert not any(b in self._plain or b in self._evictable for b in self._blocks_of(page))
-        assert referenced == self._referenced == sum(1 for c in self.ref_counts if c > 0)
+        assert referenced == self._referenced == len(self.ref_counts)
         assert all(self.ref_counts[b] == 0 for b in itertools.chain(self._plain, self._evictable))
         assert all(self.block_hash[b] is None for b in self._plain)
         assert all(self.block_hash[b] is not None for b in self._evictable)

@@ -115,7 +115,7 @@ class CachePlan:
         draft = [g for g in self.groups if g.spec.draft]
         if draft:
             names = ", ".join(g.spec.name for g in draft)
-            size = _fmt_bytes(sum(g.total_bytes for g in draft))
+            size = _fmt_bytes(sum(g.total_bytes for g in draft)) if self.arena is None else "arena pages"
             lines.append(f"* draft groups (speculative decoding): {names}, {size}")
         if self.arena is not None:
             lines += self._describe_arena(request_tokens)

@@ -27,8 +27,9 @@ class BlockPool:
         self.plan = plan
         self.name = plan.spec.name
         self.tensors = self._make_tensors(device)
-        self.ref_counts = [0] * plan.num_blocks
-        self.block_hash: list[bytes | None] = [None] * plan.num_blocks
+        self.ref_counts: list[int] | dict[int, int]
+        self.block_hash: list[bytes | None] | dict[int, bytes | None]
+        self.ref_counts, self.block_hash = self._make_tables()
         self._free: deque[int] = deque(self._initial_free())
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
@@ -41,6 +42,10 @@ class BlockPool:
             for layer in self.plan.spec.layers
             for f in self.plan.spec.fields
         }
+
+    def _make_tables(self) -> tuple[list[int] | dict[int, int], list[bytes | None] | dict[int, bytes | None]]:
+        """Each block's reference count and prefix hash."""
+        return [0] * self.plan.num_blocks, [None] * self.plan.num_blocks
 
     def _initial_free(self) -> range:
         return range(1, self.plan.num_blocks)

@@ -167,3 +167,19 @@ def test_arena_plan_capacity_and_errors() -> None:
         build_plan(toy_specs(window=5), 8, 4, 512, num_blocks=2, layout="arena").check_usable()
     with pytest.raises(CachePlanError, match="cache layout 'paged'"):
         build_plan(toy_specs(), 8, 4, 64, num_blocks=2, layout="paged")
+
+
+def test_a_large_arena_keeps_per_block_tables_sparse() -> None:
+    """A small group of a 64 GiB arena addresses ~10^8 block ids; its tables hold only the blocks in use."""
+    plan = build_plan(_odd_specs(), 16, 256, 8192, memory_bytes=64 << 30, layout="arena")
+    pools = BlockPoolSet(plan, "meta")
+    hca = pools["hca"]
+    assert hca.num_blocks > 10**7 and len(hca.ref_counts) == 0
+    got = pools.allocate({"hca": 3, "rows": 2})
+    assert got is not None and len(hca.ref_counts) == 3
+    hca.publish(got["hca"][0], b"h")
+    hca.free(got["hca"])
+    pools["rows"].free(got["rows"])
+    assert len(hca.ref_counts) == 0 and len(hca.block_hash) == 1
+    hca.reset_prefix_cache()
+    assert len(hca.block_hash) == 0 and pools.all_free()
