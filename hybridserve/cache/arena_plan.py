@@ -8,10 +8,11 @@ a whole number of each group's blocks: ``page_bytes == blocks_per_page * block_s
 Page size choice: the least common multiple of the groups' block bytes wastes nothing, but it is absurd
 when block sizes share few factors (an FP8 cache's odd row widths give LCMs of hundreds of MiB). So the
 page is searched among multiples of the groups' row alignment between the largest block and
-``MAX_PAGE_RATIO`` times it; each group pads its block stride up to ``page_bytes / blocks_per_page``, and
-the page whose worst group pads least wins (a history group may hold most of the memory on long
-prompts, so no group's padding is discounted). The LCM is taken whenever it is within
-``MAX_LCM_RATIO`` times the largest block (no padding at all).
+``MAX_PAGE_RATIO`` times it (at most ``MAX_CANDIDATES`` of them, evenly spaced); each group pads its
+block stride up to ``page_bytes / blocks_per_page``, and the page whose worst group pads least wins (a
+history group may hold most of the memory on long prompts, so no group's padding is discounted; ties go
+to the least padding weighted by bytes per token, then the smaller page). The LCM is taken whenever it
+is within ``MAX_LCM_RATIO`` times the largest block (no padding at all).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hybridserve.cache.spec import CacheGroupSpec
 
 MAX_PAGE_RATIO = 4  # a page holds at most this many blocks of the largest group
 MAX_LCM_RATIO = 8  # ...or this many when that makes the page the exact LCM (no padding)
-MAX_CANDIDATES = 512
+MAX_CANDIDATES = 8192
 
 
 @dataclass(frozen=True)
@@ -79,27 +80,36 @@ def choose_layouts(specs: list[CacheGroupSpec], rows: dict[str, int]) -> tuple[i
     exact = math.lcm(*least.values())
     if exact <= MAX_LCM_RATIO * largest:
         candidates.add(exact // unit)
-    best: tuple[float, float, int] | None = None
+    data = {s.name: s.row_bytes * rows[s.name] for s in specs}  # a block's bytes without padding
+    best: tuple[float, float, int] = (1.0, 1.0, 0)
     for n in sorted(candidates):
         page = n * unit
-        counts = {name: _blocks_per_page(page, least[name], units[name]) for name in least}
-        waste = {s.name: 1 - counts[s.name] * s.row_bytes * rows[s.name] / page for s in specs}
-        score = (round(max(waste.values()), 9), round(sum(weight[k] * w for k, w in waste.items()), 9), page)
-        best = score if best is None else min(best, score)
-    assert best is not None
+        waste: dict[str, float] = {}
+        for name in least:  # a page whose worst group pads more than the best page's is dropped early
+            floor = math.ceil((1 - best[0]) * page / data[name] - 1e-9)
+            k = _blocks_per_page(page, least[name], units[name], floor)
+            if not k:
+                break
+            waste[name] = 1 - k * data[name] / page
+        if len(waste) == len(least):
+            mean = sum(weight[g] * w for g, w in waste.items())
+            best = min(best, (round(max(waste.values()), 9), round(mean, 9), page))
     page = best[2]
+    assert page, "a page of the largest block always fits"
     layouts = {}
     for s in specs:
         k = _blocks_per_page(page, least[s.name], units[s.name])
+        assert k, "a page always holds one block"
         offsets = geo[s.name][0]
         layouts[s.name] = GroupLayout(k, page // k, page // k // rows[s.name], offsets)
     return page, layouts
 
 
-def _blocks_per_page(page: int, block: int, unit: int) -> int:
-    """Most blocks of at least ``block`` bytes, each a multiple of ``unit``, that tile ``page`` exactly."""
+def _blocks_per_page(page: int, block: int, unit: int, floor: int = 1) -> int:
+    """Most blocks of at least ``block`` bytes, each a multiple of ``unit``, that tile ``page`` exactly;
+    0 if that is fewer than ``floor``."""
     granules = page // unit
-    for k in range(page // block, 0, -1):
+    for k in range(page // block, max(floor, 1) - 1, -1):
         if granules % k == 0:
             return k
-    raise AssertionError("a page always holds one block")
+    return 0
