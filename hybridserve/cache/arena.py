@@ -64,6 +64,7 @@ class PageArena:
     def acquire(self, group: str) -> int:
         """A page for ``group``: a free one, else the least recently parked page of any group."""
         if not self._free:
+            assert self.num_parked, "no free or parked page: the caller did not check can_allocate"
             oldest = min((p for p in self.pools.values() if p.num_parked), key=lambda p: p.oldest_parked)
             oldest.reclaim_oldest()
             self.num_reclaimed += 1
@@ -178,7 +179,10 @@ class ArenaBlockPool(BlockPool):
 
     # ---- taking and giving back ---------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        return self.allocate_pages(n, self.pages_needed(n), 0)[0]
+        """``n`` blocks of this group alone (``BlockPoolSet.allocate`` takes several groups at once)."""
+        pages = self.pages_needed(n)
+        assert pages <= self.arena.num_free + self.arena.num_parked, f"{self.name}: {n} blocks do not fit"
+        return self.allocate_pages(n, pages, max(0, self.arena.num_free - pages))[0]
 
     def allocate_pages(self, n: int, pages: int, spare: int) -> tuple[list[int], int]:
         """``n`` blocks taking ``pages`` new pages, plus up to ``spare`` more rather than evicting
