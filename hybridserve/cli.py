@@ -44,7 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hybridserve.cache.plan import build_plan
+    from hybridserve.engine.core import build_cache_plan
     from hybridserve.models.deepseek_v4 import cache_specs
     from hybridserve.models.deepseek_v4_config import DeepseekV4Config
     from hybridserve.models.loader import read_config
@@ -56,16 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     specs = cache_specs(
         cfg, dtype, include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
     )
-    block_tokens = config.resolve_block_tokens([s.stride for s in specs])
-    plan = build_plan(
-        specs,
-        block_tokens,
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        memory_bytes=config.kv_cache_bytes,
-        num_blocks=config.num_blocks,
-        window_cache_share=config.window_cache_share if config.enable_prefix_caching else 0.0,
-    )
+    plan = build_cache_plan(config, specs)
     length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
     print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
     print(plan.describe(request_tokens=length))

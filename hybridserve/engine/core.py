@@ -12,7 +12,8 @@ from typing import Any
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.config import EngineConfig
+from hybridserve.cache.spec import CacheGroupSpec
+from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
 from hybridserve.distributed.disagg import HandoffStats, KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
@@ -67,6 +68,18 @@ class PoolUsage:
     total: int
     cached: int
     evicted: int = 0
+    pages: int = 0  # arena pages this group holds (its share of the arena; 0 with fixed pools)
+
+
+@dataclass
+class ArenaUsage:
+    """The cache arena every group draws pages from (--cache-layout arena)."""
+
+    page_bytes: int
+    pages_total: int  # pages groups may take (the null page excluded)
+    pages_free: int  # held by no group
+    pages_parked: int  # held only for cached prefixes: reclaimable by any group
+    pages_reclaimed: int  # parked pages taken back, their cached blocks forgotten
 
 
 @dataclass
@@ -76,6 +89,7 @@ class EngineSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     pools: dict[str, PoolUsage] = field(default_factory=dict)
+    arena: ArenaUsage | None = None
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
@@ -217,16 +231,7 @@ class EngineCore:
         specs = self.model.cache_specs(
             include_mtp=spec is not None, kv_cache_dtype=self.config.kv_cache_dtype
         )
-        block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
-        return build_plan(
-            specs,
-            block_tokens,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            memory_bytes=self.config.kv_cache_bytes,
-            num_blocks=self.config.num_blocks,
-            window_cache_share=self.config.window_cache_share if self.config.enable_prefix_caching else 0.0,
-        )
+        return build_cache_plan(self.config, specs)
 
     @property
     def max_request_tokens(self) -> int:
@@ -501,14 +506,16 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
+        held = self.pools.pages_held
         pools = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted, held(n))
             for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             pools=pools,
+            arena=self._arena_usage(),
             prompt_tokens=s.prompt_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions,
@@ -521,6 +528,13 @@ class EngineCore:
             handoff=self.role.stats if self.role is not None else None,
             **self._spec_snapshot(),
         )
+
+    def _arena_usage(self) -> ArenaUsage | None:
+        arena = self.pools.arena
+        if arena is None:
+            return None
+        a = arena.plan
+        return ArenaUsage(a.page_bytes, a.usable_pages, arena.num_free, arena.num_parked, arena.num_reclaimed)
 
     def _expert_tokens(self) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -539,6 +553,29 @@ class EngineCore:
             "spec_num_accepted_tokens": st.num_accepted_tokens,
             "spec_accepted_per_pos": list(st.accepted_per_pos),
         }
+
+
+def build_cache_plan(config: EngineConfig, specs: list[CacheGroupSpec]) -> CachePlan:
+    """The cache plan for ``specs`` under ``config``: what the engine serves with, and `hybridserve plan`
+    prints."""
+    share = config.window_cache_share if config.enable_prefix_caching else 0.0
+    layout = config.resolved_cache_layout
+    if layout == "arena" and config.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
+        log.warning(
+            "--window-cache-share %s is ignored with --cache-layout arena (cache groups take pages as they "
+            "need them); pass --cache-layout fixed for a fixed split",
+            config.window_cache_share,
+        )
+    return build_plan(
+        specs,
+        config.resolve_block_tokens([s.stride for s in specs]),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        memory_bytes=config.kv_cache_bytes,
+        num_blocks=config.num_blocks,
+        window_cache_share=share,
+        layout=layout,
+    )
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineSnapshot, PoolUsage
+from hybridserve.engine.core import ArenaUsage, EngineSnapshot, PoolUsage
 from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
 from hybridserve.engine.dp_router import RankRouter
 from hybridserve.engine.errors import EngineDeadError
@@ -291,7 +291,22 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
                 total.total + pool.total,
                 total.cached + pool.cached,
             )
+            total.pages += pool.pages
+        merged.arena = _merge_arenas(merged.arena, s.arena)
         merged.collective_s += s.collective_s
         for expert, n in s.expert_tokens.items():
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
     return merged
+
+
+def _merge_arenas(total: ArenaUsage | None, rank: ArenaUsage | None) -> ArenaUsage | None:
+    """Every rank has an arena of its own: pages add up (page sizes are equal, one plan per rank)."""
+    if rank is None or total is None:
+        return total if rank is None else dataclasses.replace(rank)
+    return ArenaUsage(
+        rank.page_bytes,
+        total.pages_total + rank.pages_total,
+        total.pages_free + rank.pages_free,
+        total.pages_parked + rank.pages_parked,
+        total.pages_reclaimed + rank.pages_reclaimed,
+    )
