@@ -6,11 +6,12 @@ engine then commits those tokens and truncates each request's block tables to wh
 window row, compressor input, compressed row or indexer key built from a rejected token is ever read
 (each is rewritten by the forward that next computes its position, before anything reads it).
 
-Then the MTP layer runs over every position the step verified: at position t it reads the trunk's
-streams at t and the token t+1, and writes its own window KV (row t of the draft group ``mtp_kv``). Its
-output at the last verified position gives draft 1; for k > 1 the same layer runs again on its own
-output and draft, one position further, so drafts j >= 2 write speculative MTP rows past the verified
-end, which the next step's MTP pass rewrites. Published (prefix-cached) blocks hold verified rows only.
+Then the MTP layer's window KV is written at every position the step verified, drafting or not: row t
+of the draft group ``mtp_kv`` comes from the trunk's streams at t and the token t+1 (only the row: no
+attention, MoE or head). The full layer then runs at each drafting request's last verified position
+only, which gives draft 1; for k > 1 the same layer runs again on its own output and draft, one position
+further, so drafts j >= 2 write speculative MTP rows past the verified end, which the next step's KV
+pass rewrites. Published (prefix-cached) blocks hold verified rows only.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], drafts: list[int]) -> None:
-        """MTP over the verified positions of every scheduled request (``num_computed_tokens`` already
-        committed), then up to ``drafts[i]`` new drafts for request i (0: only its MTP window KV)."""
+        """The MTP layer's window KV at every position the step verified (``num_computed_tokens`` already
+        committed), then up to ``drafts[i]`` new drafts for request i (0: only its window KV)."""
         assert self._streams is not None
         rows: list[int] = []
         ids: list[int] = []
@@ -117,19 +118,19 @@ class SpecDecoder:
             req.drop_drafts()
         requests = [s.request for s in scheduled]
         starts, ends = [s.start for s in scheduled], [r.num_computed_tokens for r in requests]
-        streams = self.model.mtp_forward(
-            self._streams[torch.tensor(rows, device=self.device)],
-            self._batch(requests, ids, starts, ends),
-            self.cache,
-        )
+        streams = self._streams[torch.tensor(rows, device=self.device)]
         self._streams = None
+        # Every verified row, the same whether or not a draft starts there: a step that drafts nothing
+        # (load control) still leaves the window whole for the drafts of later steps.
+        self.model.mtp_write_kv(streams, self._batch(requests, ids, starts, ends), self.cache)
         self._draft_chain(requests, streams, last, drafts)
 
     def _draft_chain(
         self, requests: list[Request], streams: torch.Tensor, last: list[int], drafts: list[int]
     ) -> None:
-        """Draft 1 from the MTP output at each request's last verified position; draft j + 1 from the MTP
-        layer run again on draft j and its own output, one position further (blocks permitting)."""
+        """Draft 1 from the MTP layer at each request's last verified position (the trunk's streams there);
+        draft j + 1 from the layer run again on draft j and its own output, one position further (blocks
+        permitting)."""
         drafts = [self._chain_room(r, n) for r, n in zip(requests, drafts, strict=True)]
         active = [i for i, n in enumerate(drafts) if n > 0]
         if not active:
@@ -142,11 +143,9 @@ class SpecDecoder:
             if len(keep) < len(active):
                 active, prev = [active[j] for j in keep], prev[torch.tensor(keep, device=self.device)]
             reqs = [requests[i] for i in active]
-            if depth:
-                ids = [r.spec_token_ids[-1] for r in reqs]
-                at = [r.num_computed_tokens + depth - 1 for r in reqs]
-                batch = self._batch(reqs, ids, at, [p + 1 for p in at])
-                prev = self.model.mtp_forward(prev, batch, self.cache)
+            ids = [r.spec_token_ids[-1] if depth else r.all_token_ids[r.num_computed_tokens] for r in reqs]
+            at = [r.num_computed_tokens + depth - 1 for r in reqs]
+            prev = self.model.mtp_forward(prev, self._batch(reqs, ids, at, [p + 1 for p in at]), self.cache)
             self._sample_drafts(reqs, prev)
 
     def _chain_room(self, req: Request, n: int) -> int:

@@ -149,3 +149,24 @@ def test_mtp_drafts_match_the_model_card_formula(
             expected = _model_card_drafts(ref, mtp, ids, out.new_token_ids[0], 3)
         assert req.spec_token_ids == expected
         core.abort_request(req.request_id)
+
+
+def test_mtp_kv_write_equals_the_rows_of_the_full_layer(mtp_checkpoint: Callable[[str], Path]) -> None:
+    """``mtp_write_kv`` (no attention, MoE or head) writes exactly the window rows ``mtp_forward`` writes."""
+    model = load_model(mtp_checkpoint("mixed"), torch.float32, "cpu")
+    plan = build_plan(model.cache_specs(include_mtp=True), 8, 2, 64, num_blocks=32)
+    pools = BlockPoolSet(plan, "cpu")
+    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert coord.allocate("r", 0, len(ids))
+    tables = coord.block_tables("r")
+    streams = model(_batch(ids, range(len(ids)), tables, 8), pools.tensors())
+    mtp_batch = _batch(ids[1:], range(len(ids) - 1), tables, 8)
+    rows = pools["mtp_kv"].tensors
+    model.mtp_forward(streams[:-1], mtp_batch, pools.tensors())
+    full = {k: t.clone() for k, t in rows.items()}
+    for t in rows.values():
+        t.zero_()
+    model.mtp_write_kv(streams[:-1], mtp_batch, pools.tensors())
+    assert full and all(torch.equal(rows[k], full[k]) for k in full)
+    assert any(bool(t.abs().sum() > 0) for t in full.values())
