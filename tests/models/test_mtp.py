@@ -82,14 +82,17 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _model_card_drafts(ref: object, mtp: MTPModule, ids: list[int], first: int, k: int) -> list[int]:
+def _model_card_drafts(
+    ref: object, mtp: MTPModule, ids: list[int], first: int, k: int, feed: list[int] | None = None
+) -> list[int]:
     """Drafts from the DeepSeek-V4 model card's MTP formula, composed here from transformers' parts:
 
         x_t = h_proj(hnorm(h_t)) + e_proj(enorm(embed(tok_{t+1})))   (per hyper-connection stream)
         y = block(x)  (one sliding-window decoder layer over the MTP positions, causal)
         logits_{t+2} = head(norm(hc_head(y_t)))
 
-    and for k > 1 the same layer again, one position further, on its own output y and its own draft.
+    and for k > 1 the same layer again, one position further, on its own output y and its own draft
+    (or, teacher-forced, on ``feed[j]`` at depth j + 2).
     """
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
@@ -117,7 +120,8 @@ def _model_card_drafts(ref: object, mtp: MTPModule, ids: list[int], first: int, 
     y = block(x)
     for _ in range(k):
         drafts.append(draft(y[:, -1:]))
-        x = torch.cat([x, inputs(y[:, -1:], drafts[-1:])], dim=1)
+        token = feed[len(drafts) - 1] if feed and len(drafts) <= len(feed) else drafts[-1]
+        x = torch.cat([x, inputs(y[:, -1:], [token])], dim=1)
         y = block(x)
     return drafts
 
