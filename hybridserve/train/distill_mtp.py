@@ -173,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="write best.pt's mtp.0.* into --checkpoint")
     ap.add_argument("--out", type=Path, default=None, help="with --write: a copy's folder instead")
+    ap.add_argument("--evaluate", action="store_true", help="held-out agreement of --checkpoint's MTP layer")
     return ap.parse_args(argv)
 
 
@@ -226,6 +227,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         step, best = state["step"], state["best"]
     else:
         best = _validate(trunk, mtp, sets["val"], args, step, log_path, best, best_path)
+    _log(log_path, {"run_from_step": step, "schedule_steps": args.steps, "minutes": args.minutes})
     deadline = time.monotonic() + 60 * args.minutes
     stream = batches(sets["train"], args.batch_size, args.seed, step)
     while step < args.steps and time.monotonic() < deadline:
@@ -298,11 +300,23 @@ def write(args: argparse.Namespace) -> str:
     return after
 
 
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Held-out agreement (per kind and depth) of the checkpoint's MTP layer, on ``--work``'s sets."""
+    trunk = load_trunk(args.checkpoint).eval()
+    mtp = load_mtp(args.checkpoint, trunk)
+    val = prepare_sets(args, trunk)["val"]
+    results = [agreement(trunk, mtp, data, max(args.depth, 3)) for data in val]
+    return {"score": score(results)} | {r.kind: {"top1": r.top1, "accept_t0.8": r.accept} for r in results}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.write:
         print(json.dumps({"trunk_sha256": write(args)}))
+        return
+    if args.evaluate:
+        print(json.dumps(evaluate(args), indent=1))
         return
     print(json.dumps(train(args)))
 
