@@ -354,17 +354,13 @@ class EngineCore:
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
 
-        With no drafts to verify and none wanted for the next step (load control), a plain step."""
+        With no drafts to verify and none wanted for the next step (load control), the step drafts
+        nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""
         start = time.perf_counter()
         choice = spec.control.choose(len(self.scheduler.running))
-        plain = choice == 0 and not any(s.num_spec for s in out.scheduled)
-        if plain:
-            for s in out.scheduled:
-                s.request.drop_drafts()  # any left are for positions this step moves past
-            outputs = self._plain_step(out)
-        else:
-            outputs = self._verify_and_draft(out, spec, choice)
-        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=not plain)
+        drafting = choice > 0 or any(s.num_spec for s in out.scheduled)
+        outputs = self._verify_and_draft(out, spec, choice)
+        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=drafting)
         return outputs
 
     def _verify_and_draft(
