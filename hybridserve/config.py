@@ -145,9 +145,8 @@ class EngineConfig:
     compile_decode: bool | None = field(
         default=None,
         metadata={
-            "help": "pure-decode steps over bucketed static shapes through torch.compile (default: on with "
-            "CUDA, where they are also replayed as CUDA graphs; off on CPU, where compiling one shape "
-            "takes 20-90 s on a small machine)"
+            "help": "pure-decode steps over bucketed static shapes through torch.compile, with the fixed "
+            "cache layout (off by default: compiling one graph takes 20-90 s on a small CPU machine)"
         },
     )
     dequantize_weights: bool = field(
@@ -235,6 +234,11 @@ class EngineConfig:
         parse_size(self.kv_cache_memory)
         if self.cache_layout not in (None, "arena", "fixed"):
             raise ValueError(f"--cache-layout {self.cache_layout!r}: choose arena or fixed")
+        if self.compile_decode and self.cache_layout == "arena":
+            raise ValueError(
+                "--compile-decode needs --cache-layout fixed: torch.compile cannot yet write into views of "
+                "one arena's bytes (aot_autograd rejects aliased input mutations)"
+            )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
@@ -274,10 +278,11 @@ class EngineConfig:
 
     @property
     def resolved_cache_layout(self) -> str:
-        """The layout asked for, else arena; --num-blocks alone (blocks per group) means a fixed split."""
+        """The layout asked for, else arena; --num-blocks alone (blocks per group) means a fixed split, and
+        so does --compile-decode (torch.compile cannot yet write into views of one arena's bytes)."""
         if self.cache_layout is not None:
             return self.cache_layout
-        return "fixed" if self.num_blocks is not None else "arena"
+        return "fixed" if self.num_blocks is not None or self.compile_decode else "arena"
 
     @property
     def kv_cache_bytes(self) -> int:

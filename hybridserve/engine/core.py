@@ -158,13 +158,12 @@ class EngineCore:
 
     def _build_runner(self) -> ModelRunner:
         """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
-        torch.compile if --compile-decode (default: on CUDA only) and replayed as CUDA graphs on CUDA;
-        on CUDA the other steps' mHC is compiled too. Expert-parallel steps exchange host-sized splits
-        every MoE layer, so they stay eager."""
+        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; on CUDA the other steps'
+        mHC is compiled too. Expert-parallel steps exchange host-sized splits every MoE layer, so they
+        stay eager."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
-        asked = self.config.compile_decode
-        compiled = accelerate and (asked if asked is not None else cuda)
+        compiled = accelerate and bool(self.config.compile_decode)
         set_compile(accelerate and cuda)
         return ModelRunner(
             self.model,

@@ -11,6 +11,7 @@ import torch
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.config import EngineConfig
 from hybridserve.engine.batch import build_forward_batch
 from hybridserve.engine.decode_graphs import DecodeGraphRunner, batch_buckets, row_bucket
 from hybridserve.engine.llm import LLM
@@ -196,3 +197,12 @@ def test_compiled_decode_matches_eager(tiny_checkpoint: Callable[[str], Path]) -
     for a, b in zip(plain, compiled, strict=True):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert _null_rows_zero(pools)
+
+
+def test_compile_decode_takes_the_fixed_layout() -> None:
+    """torch.compile cannot write into views of one arena: --compile-decode implies the fixed split, and
+    asking for both is refused with the reason."""
+    assert EngineConfig(compile_decode=True).resolved_cache_layout == "fixed"
+    assert EngineConfig().resolved_cache_layout == "arena"
+    with pytest.raises(ValueError, match="--compile-decode needs --cache-layout fixed"):
+        EngineConfig(compile_decode=True, cache_layout="arena")
