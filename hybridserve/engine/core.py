@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
 from hybridserve.distributed.disagg import HandoffStats, KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.distributed.kv_transfer_group import PlanFingerprint
+from hybridserve.engine.cache_plan import plan_cache
 from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
@@ -29,7 +29,6 @@ from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.structured import StructuredOutputs
-from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -110,7 +109,7 @@ class EngineCore:
             shard=shard,
         )
         self.parallel_experts = parallel_experts(self.model)  # found once: snapshots read them every step
-        self.plan = self._build_plan()
+        self.plan = plan_cache(config, self.model, self.device)
         self.plan.check_usable()
         self.pools = BlockPoolSet(self.plan, self.device)
         self.coordinator = KvCacheCoordinator(
@@ -186,33 +185,6 @@ class EngineCore:
     def _cache_salt(self) -> bytes:
         """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
         return f"kv:{self.config.kv_cache_dtype}:{self.dtype}".encode()
-
-    def _build_plan(self) -> CachePlan:
-        if self.config.kv_cache_dtype == "fp8" and (why := fp8_supported(self.device)) is not None:
-            raise ValueError(
-                f"--kv-cache-dtype fp8: {self.device} cannot store float8_e4m3fn tensors ({why}); serve "
-                "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
-                "per token)"
-            )
-        spec = self.config.speculative
-        if spec is not None and not self.model.mtp:
-            raise ValueError(
-                f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
-                f"{self.config.model} has none; serve it without --speculative-config"
-            )
-        specs = self.model.cache_specs(
-            include_mtp=spec is not None, kv_cache_dtype=self.config.kv_cache_dtype
-        )
-        block_tokens = self.config.resolve_block_tokens([s.stride for s in specs])
-        return build_plan(
-            specs,
-            block_tokens,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            memory_bytes=self.config.kv_cache_bytes,
-            num_blocks=self.config.num_blocks,
-            window_cache_share=self.config.window_cache_share if self.config.enable_prefix_caching else 0.0,
-        )
 
     @property
     def max_request_tokens(self) -> int:
