@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.distributed.disagg import HandoffStats, KvHandoff
+from hybridserve.distributed.disagg import KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.distributed.kv_transfer_group import PlanFingerprint
@@ -28,6 +28,7 @@ from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.stats import EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.structured import StructuredOutputs
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
@@ -49,47 +50,6 @@ class EngineCoreOutput:
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
     kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
-
-
-@dataclass
-class EngineStats:
-    generation_tokens: int = 0
-    steps: int = 0
-    failed_steps: int = 0
-    consecutive_failures: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class PoolUsage:
-    used: int
-    total: int
-    cached: int
-    evicted: int = 0
-
-
-@dataclass
-class EngineSnapshot:
-    """What the engine's metrics read, taken between steps (it crosses the process boundary)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    pools: dict[str, PoolUsage] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_preemptions: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    failed_steps: int = 0
-    dp_rank: int = 0
-    expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
-    collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
-    handoff: HandoffStats | None = None  # disaggregated workers: KV blocks sent or received
-    # Speculative decoding (vLLM's spec_decode counters); accepted_per_pos[i]: draft i accepted.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -458,14 +418,14 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
-        pools = {
+        kv_blocks = {
             n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
             for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
-            pools=pools,
+            kv_blocks=kv_blocks,
             prompt_tokens=s.prompt_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions,

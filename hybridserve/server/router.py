@@ -48,7 +48,7 @@ class RouterSettings:
 
 class _RouterCollector(Collector):
     def __init__(self, pools: list[WorkerPool]) -> None:
-        self.pools = pools
+        self.worker_pools = pools
 
     def collect(self) -> list[Metric]:
         up = GaugeMetricFamily(
@@ -57,7 +57,7 @@ class _RouterCollector(Collector):
         busy = GaugeMetricFamily(
             "hybridserve_router_worker_requests_in_flight", "requests in flight", labels=["role", "url"]
         )
-        for pool in self.pools:
+        for pool in self.worker_pools:
             for w in pool.workers:
                 up.add_metric([w.role, w.url], float(w.up))
                 busy.add_metric([w.role, w.url], w.in_flight)
