@@ -52,6 +52,7 @@ class SoakReport:
     casualties: int = 0  # chaos: requests in flight on a killed process that failed (not wrong answers)
     restarts: dict[str, list[int]] = field(default_factory=dict)  # chaos: unit -> exit status of each death
     outlived: list[int] = field(default_factory=list)  # chaos: children that outlived their killed parent
+    hangs: list[str] = field(default_factory=list)  # chaos: servers that did not exit after losing a core
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -116,7 +117,10 @@ async def drive(
                 if pids and len(outcomes) % sample_every == 0:
                     report.rss_mib.append((len(outcomes), round(sum(rss_mib(p) for p in pids()), 1)))
                 if pids and len(outcomes) < args.requests:  # no kill after the last: survivors are judged
+                    kills = len(chaos.kills)
                     chaos.after(len(outcomes), _workers(args, deployment))
+                    if deployment is not None and len(chaos.kills) > kills:
+                        deployment.killed()
                 if deployment is not None:
                     await deployment.revive()
 
@@ -150,7 +154,20 @@ def _workers(args: argparse.Namespace, deployment: Deployment | None) -> list[in
 
 
 async def _idle_metrics(client: httpx.AsyncClient, deployment: Deployment | None) -> dict[str, float]:
-    """Every live unit's metrics once it is idle, keys prefixed with the unit (one server: unprefixed)."""
+    """Every live unit's metrics once it is idle, keys prefixed with the unit (one server: unprefixed).
+    A unit that goes down meanwhile (its last kill) is started again first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return await _units_idle(client, deployment)
+        except httpx.TransportError:
+            if deployment is None or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+            await deployment.revive()
+
+
+async def _units_idle(client: httpx.AsyncClient, deployment: Deployment | None) -> dict[str, float]:
     if deployment is None or deployment.router is None:
         return await wait_idle(client)
     merged: dict[str, float] = {}
@@ -200,12 +217,13 @@ def judge(report: SoakReport, outcomes: list[Outcome], args: argparse.Namespace)
         (report.server_exit in (None, 0), f"the server exited {report.server_exit} on SIGTERM"),
         (not args.kill_every or bool(report.kills), f"no process matched --kill-match {args.kill_match!r}"),
         (not report.outlived, f"processes outlived their killed parent: {report.outlived}"),
+        (not report.hangs, f"hangs: {report.hangs}"),
         (
             report.casualties <= 2 * args.concurrency * len(report.kills),
             f"{report.casualties} requests failed for {len(report.kills)} kills (> 2 x concurrency each)",
         ),
     ]
-    for stat in ("p50", "p90"):
+    for stat in ("p50", "p90") if not report.restarts else ():  # restarts leave fewer units for a while
         values = [q[stat] for q in report.latency_quarters[1:] if q["n"] > 1]
         if values and min(values) > 0:
             ratio = max(values) / min(values)
@@ -235,6 +253,7 @@ def run_soak(args: argparse.Namespace) -> int:
             report.server_exit = next((c for c in codes.values() if c != 0), 0)
             report.exits = codes
             report.restarts = {u.name: u.exits for u in deployment.units if u.exits}
+            report.hangs = deployment.hangs
     judge(report, outcomes, args)
     out = asdict(report) | {"passed": report.passed, "command": " ".join(sys.argv)}
     print(json.dumps({k: v for k, v in out.items() if k != "rss_mib"}, indent=2))

@@ -58,9 +58,11 @@ class Chaos:
 
 def casualty(status: int, problem: str) -> bool:
     """A request that failed because a process serving it was killed: cut off (no status, or a stream
-    without ``[DONE]``), a router's ``worker_failed`` 502 / error event, or a 5xx of a server going down."""
+    without ``[DONE]``), a router's ``worker_failed`` 502 / error event, a server's ``engine_failed``
+    error event (its engine core died: it exits, by design), or a 5xx of a server going down."""
     cut = status == 0 or "without [DONE]" in problem
-    return bool(problem) and (cut or "worker_failed" in problem or status in (500, 502, 503))
+    named = "worker_failed" in problem or "engine_failed" in problem
+    return bool(problem) and (cut or named or status in (500, 502, 503))
 
 
 def _running(pid: int) -> bool:

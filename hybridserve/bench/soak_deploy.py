@@ -17,6 +17,7 @@ from hybridserve.bench.server_process import descendants, free_port, stop, wait_
 from hybridserve.config import default_model_path
 
 START_TIMEOUT_S = 420.0  # several model loads at once on a small machine
+EXIT_TIMEOUT_S = 60.0  # a server whose engine core died exits within seconds (the core's RPC timeout)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Deployment:
     router: Unit | None = None
     restart: bool = False
     ready: asyncio.Event | None = None  # set while the front answers (cleared while it restarts)
+    hangs: list[str] = field(default_factory=list)  # servers that did not exit after losing a core
+    _going_down: bool = False
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
@@ -102,12 +105,32 @@ class Deployment:
         roots = [u.process.pid for u in self.units if u.alive and u.healthy and u.process is not None]
         return roots + [d for r in roots for d in descendants(r)]
 
+    def killed(self) -> None:
+        """Chaos just killed a process of a unit. With no router in front, the server is expected to go
+        down (an engine core's death ends it, by design): its clients wait until it is back."""
+        if self.router is None and self.restart and self.ready is not None:
+            self.ready.clear()
+            self._going_down = True
+
     async def revive(self) -> None:
         """Start again every unit whose server process died (with ``restart``); the front's clients wait."""
         async with self._lock:
+            if self._going_down:
+                self._going_down = False
+                await asyncio.to_thread(self._wait_exit, self.units[0])
             dead = [u for u in self.units if u.process is not None and not u.alive]
             if dead and self.restart:
                 await self._start_again(dead)
+
+    def _wait_exit(self, unit: Unit) -> None:
+        """A server that lost an engine core must exit by itself, soon; one that does not is a hang."""
+        assert unit.process is not None
+        try:
+            unit.process.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.hangs.append(f"{unit.name} still running {EXIT_TIMEOUT_S:.0f} s after an engine core died")
+            unit.process.kill()
+            unit.process.wait()
 
     async def _start_again(self, dead: list[Unit]) -> None:
         front_down = self.router is None
