@@ -99,6 +99,9 @@ class SpeculativeConfig:
         return SpeculativeConfig(str(method), k, adaptive, off_at)
 
 
+WINDOW_CACHE_SHARE_DEFAULT = 0.25
+
+
 @dataclass
 class EngineConfig:
     model: str = field(default_factory=default_model_path, metadata={"help": "Hugging Face model folder"})
@@ -120,13 +123,32 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
     window_cache_share: float = field(
-        default=0.25,
-        metadata={"help": "share of spare cache memory that keeps window context of cached prefixes"},
+        default=WINDOW_CACHE_SHARE_DEFAULT,
+        metadata={
+            "help": "with --cache-layout fixed: share of spare cache memory that keeps window context of "
+            "cached prefixes (ignored by the arena, where groups take pages as they need them)"
+        },
+    )
+    cache_layout: str | None = field(
+        default=None,
+        metadata={
+            "help": "arena: every cache group draws pages from one byte arena as it needs them; fixed: each "
+            "group gets a fixed share of --kv-cache-memory at start-up (--window-cache-share). Default: "
+            "arena, or fixed with --num-blocks (N blocks per group is a fixed split; with --cache-layout "
+            "arena it sizes an arena of the bytes of N blocks of every group)"
+        },
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
     enforce_eager: bool = field(
-        default=False,
-        metadata={"help": "on CUDA, no torch.compile and no CUDA graphs (CPU always runs eagerly)"},
+        default=False, metadata={"help": "no torch.compile and no CUDA graphs: every step runs eagerly"}
+    )
+    compile_decode: bool | None = field(
+        default=None,
+        metadata={
+            "help": "pure-decode steps over bucketed static shapes through torch.compile (default: on with "
+            "CUDA, where they are also replayed as CUDA graphs; off on CPU, where compiling one shape "
+            "takes 20-90 s on a small machine)"
+        },
     )
     dequantize_weights: bool = field(
         default=False,
@@ -211,6 +233,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)
+        if self.cache_layout not in (None, "arena", "fixed"):
+            raise ValueError(f"--cache-layout {self.cache_layout!r}: choose arena or fixed")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
@@ -247,6 +271,13 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def resolved_cache_layout(self) -> str:
+        """The layout asked for, else arena; --num-blocks alone (blocks per group) means a fixed split."""
+        if self.cache_layout is not None:
+            return self.cache_layout
+        return "fixed" if self.num_blocks is not None else "arena"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -286,7 +317,7 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = os.environ.get(ENV_PREFIX + f.name.upper())
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(
                     flag,
                     action=argparse.BooleanOptionalAction,

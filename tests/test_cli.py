@@ -54,6 +54,19 @@ def test_plan_prints_groups_and_capacity(
     for group in ("swa_kv", "csa_state", "csa_rows", "hca_state", "hca_rows"):
         assert group in out
     assert "requests of 300 tokens that fit at once" in out
+    assert "layout=arena" in out and "blocks/page" in out  # the default: one arena for every group
+
+
+def test_plan_shows_the_fixed_split_when_asked(
+    tiny_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture
+) -> None:
+    folder = str(tiny_checkpoint("mixed"))
+    args = ["plan", "--model", folder, "--block-tokens", "8", "--kv-cache-memory", "4MiB"]
+    assert main([*args, "--cache-layout", "fixed"]) == 0
+    fixed = capsys.readouterr().out
+    assert "layout=fixed" in fixed and "blocks/page" not in fixed
+    assert main([*args, "--cache-layout", "paged"]) == 2
+    assert "choose arena or fixed" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_a_clear_error(

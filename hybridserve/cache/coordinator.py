@@ -117,14 +117,12 @@ class KvCacheCoordinator:
             )
             dead[name] = [b for b in table[done : min(first, len(table))] if b != NULL_BLOCK]
             missing[name] = last + 1 - max(first, len(table))
-            pool = self.pools[name]
-            freed = sum(1 for b in dead[name] if pool.ref_counts[b] == 1)
-            if pool.num_free + freed < missing[name]:
-                return False
+        new = self.pools.allocate(missing, release=dead)
+        if new is None:
+            return False
         for g in self.plan.groups:
             name, table = g.spec.name, req.tables[g.spec.name]
             first = min(self._first_kept(g, start), len(table))
-            self.pools[name].free(dead[name])
             done = req.recycled.get(name, 0)
             if first > done:
                 table[done:first] = [NULL_BLOCK] * (first - done)
@@ -133,8 +131,6 @@ class KvCacheCoordinator:
             if pad > 0:
                 table.extend([NULL_BLOCK] * pad)
                 req.recycled[name] = len(table)
-        new = self.pools.allocate(missing)
-        assert new is not None
         for name, blocks in new.items():
             req.tables[name].extend(blocks)
             assert len(req.tables[name]) == last + 1

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridserve.cache.plan import CachePlan, GroupPlan
+
+if TYPE_CHECKING:
+    from hybridserve.cache.arena import ArenaBlockPool
 
 NULL_BLOCK = 0
 
@@ -22,18 +26,29 @@ class BlockPool:
     def __init__(self, plan: GroupPlan, device: torch.device | str) -> None:
         self.plan = plan
         self.name = plan.spec.name
-        rows = plan.num_blocks * plan.rows_per_block
-        self.tensors: dict[tuple[str, str], torch.Tensor] = {
-            (layer, f.name): torch.zeros(rows, f.width, dtype=f.dtype, device=device)
-            for layer in plan.spec.layers
-            for f in plan.spec.fields
-        }
-        self.ref_counts = [0] * plan.num_blocks
-        self.block_hash: list[bytes | None] = [None] * plan.num_blocks
-        self._free: deque[int] = deque(range(1, plan.num_blocks))
+        self.tensors = self._make_tensors(device)
+        self.ref_counts: list[int] | dict[int, int]
+        self.block_hash: list[bytes | None] | dict[int, bytes | None]
+        self.ref_counts, self.block_hash = self._make_tables()
+        self._free: deque[int] = deque(self._initial_free())
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self.num_evicted = 0  # cached blocks handed out again (their prefix forgotten)
+
+    def _make_tensors(self, device: torch.device | str) -> dict[tuple[str, str], torch.Tensor]:
+        rows = self.plan.num_blocks * self.plan.rows_per_block
+        return {
+            (layer, f.name): torch.zeros(rows, f.width, dtype=f.dtype, device=device)
+            for layer in self.plan.spec.layers
+            for f in self.plan.spec.fields
+        }
+
+    def _make_tables(self) -> tuple[list[int] | dict[int, int], list[bytes | None] | dict[int, bytes | None]]:
+        """Each block's reference count and prefix hash."""
+        return [0] * self.plan.num_blocks, [None] * self.plan.num_blocks
+
+    def _initial_free(self) -> range:
+        return range(1, self.plan.num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -86,15 +101,21 @@ class BlockPool:
             assert self.ref_counts[block] > 0, f"{self.name}: double free of block {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                if self.block_hash[block] is None:
-                    self._free.appendleft(block)
-                else:
-                    self._evictable[block] = None
+                self._unreferenced(block)
+
+    def _unreferenced(self, block: int) -> None:
+        if self.block_hash[block] is None:
+            self._free.appendleft(block)
+        else:
+            self._evictable[block] = None
 
     def touch(self, block: int) -> None:
-        """Take a reference to a cached block (a prefix hit)."""
+        """Take a reference to a block: a cached one (a prefix hit), or one a failed allocation freed."""
         if self.ref_counts[block] == 0:
-            del self._evictable[block]
+            if self.block_hash[block] is None:
+                self._free.remove(block)
+            else:
+                del self._evictable[block]
         self.ref_counts[block] += 1
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -137,22 +158,69 @@ class BlockPool:
 
 
 class BlockPoolSet:
-    """One pool per cache group; allocations across groups are all-or-nothing."""
+    """One pool per cache group; allocations across groups are all-or-nothing.
+
+    With an arena plan the groups' pools draw pages from one ``PageArena`` (``self.arena``), so whether
+    counts fit is a question about all groups at once: the new pages they need against the free and
+    parked pages.
+    """
 
     def __init__(self, plan: CachePlan, device: torch.device | str) -> None:
+        from hybridserve.cache.arena import ArenaBlockPool, PageArena
+
         self.plan = plan
-        self.pools = {g.spec.name: BlockPool(g, device) for g in plan.groups}
+        self.arena = PageArena(plan.arena, device) if plan.arena is not None else None
+        arena = self.arena
+        self.pools: dict[str, BlockPool] = {
+            g.spec.name: BlockPool(g, device) if arena is None else ArenaBlockPool(g, arena)
+            for g in plan.groups
+        }
 
     def __getitem__(self, name: str) -> BlockPool:
         return self.pools[name]
 
     def can_allocate(self, counts: dict[str, int]) -> bool:
-        return all(self.pools[name].num_free >= n for name, n in counts.items())
+        """Whether ``counts`` blocks per group (negative counts as none) can be taken at once."""
+        if self.arena is None:
+            return all(self.pools[name].num_free >= n for name, n in counts.items())
+        return self._pages_needed(counts) <= self.arena.num_free + self.arena.num_parked
 
-    def allocate(self, counts: dict[str, int]) -> dict[str, list[int]] | None:
+    def _pages_needed(self, counts: dict[str, int]) -> int:
+        return sum(self._arena_pool(name).pages_needed(n) for name, n in counts.items())
+
+    def pages_held(self, name: str) -> int:
+        """Arena pages group ``name`` holds (0 without an arena)."""
+        return 0 if self.arena is None else self._arena_pool(name).num_pages
+
+    def _arena_pool(self, name: str) -> ArenaBlockPool:
+        from hybridserve.cache.arena import ArenaBlockPool
+
+        pool = self.pools[name]
+        assert isinstance(pool, ArenaBlockPool)
+        return pool
+
+    def allocate(
+        self, counts: dict[str, int], release: dict[str, list[int]] | None = None
+    ) -> dict[str, list[int]] | None:
+        """Free ``release`` (one reference per block), then take ``counts`` blocks per group, or change
+        nothing and return None when they do not fit even with what ``release`` frees."""
+        release = release or {}
+        for name, blocks in release.items():
+            self.pools[name].free(blocks)
         if not self.can_allocate(counts):
+            for name, blocks in release.items():
+                for b in blocks:
+                    self.pools[name].touch(b)
             return None
-        return {name: self.pools[name].allocate(n) for name, n in counts.items()}
+        if self.arena is None:
+            return {name: self.pools[name].allocate(max(0, n)) for name, n in counts.items()}
+        spare = max(0, self.arena.num_free - self._pages_needed(counts))
+        out = {}
+        for name, n in counts.items():
+            pool = self._arena_pool(name)
+            out[name], used = pool.allocate_pages(max(0, n), pool.pages_needed(n), spare)
+            spare -= used
+        return out
 
     def tensors(self) -> dict[tuple[str, str, str], torch.Tensor]:
         """Every cache tensor, keyed by (group, layer, field)."""
@@ -164,3 +232,5 @@ class BlockPoolSet:
     def check_integrity(self) -> None:
         for p in self.pools.values():
             p.check_integrity()
+        if self.arena is not None:
+            self.arena.check_integrity()

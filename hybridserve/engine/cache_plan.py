@@ -6,12 +6,17 @@ an engine started with the same flags allocates (every data-parallel rank builds
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybridserve.cache.plan import CachePlan, build_plan
-from hybridserve.config import EngineConfig
+from hybridserve.cache.spec import CacheGroupSpec
+from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
 from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
+
+log = logging.getLogger("hybridserve.engine")
 
 
 def plan_cache(config: EngineConfig, model: DeepseekV4Model, device: torch.device | None) -> CachePlan:
@@ -32,13 +37,27 @@ def plan_cache(config: EngineConfig, model: DeepseekV4Model, device: torch.devic
             f"{config.model} has none; serve it without --speculative-config"
         )
     specs = model.cache_specs(include_mtp=spec is not None, kv_cache_dtype=config.kv_cache_dtype)
-    block_tokens = config.resolve_block_tokens([s.stride for s in specs])
+    return build_cache_plan(config, specs)
+
+
+def build_cache_plan(config: EngineConfig, specs: list[CacheGroupSpec]) -> CachePlan:
+    """The cache plan for ``specs`` under ``config``: what the engine serves with, and `hybridserve plan`
+    prints."""
+    share = config.window_cache_share if config.enable_prefix_caching else 0.0
+    layout = config.resolved_cache_layout
+    if layout == "arena" and config.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
+        log.warning(
+            "--window-cache-share %s is ignored with --cache-layout arena (cache groups take pages as they "
+            "need them); pass --cache-layout fixed for a fixed split",
+            config.window_cache_share,
+        )
     return build_plan(
         specs,
-        block_tokens,
+        config.resolve_block_tokens([s.stride for s in specs]),
         config.max_num_seqs,
         config.max_num_batched_tokens,
         memory_bytes=config.kv_cache_bytes,
         num_blocks=config.num_blocks,
-        window_cache_share=config.window_cache_share if config.enable_prefix_caching else 0.0,
+        window_cache_share=share,
+        layout=layout,
     )

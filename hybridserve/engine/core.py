@@ -28,7 +28,7 @@ from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
-from hybridserve.engine.stats import EngineSnapshot, EngineStats, PoolUsage
+from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.structured import StructuredOutputs
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
@@ -102,19 +102,23 @@ class EngineCore:
         self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
 
     def _build_runner(self) -> ModelRunner:
-        """On CUDA: compiled mHC and decode steps as CUDA graphs over bucketed static shapes, unless
-        --enforce-eager. On CPU both stay off: measured, compile gains 12-30% of the mHC for tens of
-        seconds of compiling, and padded decode buckets only add work (benchmarks/README.md)."""
-        # Expert-parallel steps exchange host-sized splits every MoE layer: no CUDA graphs.
-        accelerate = self.device.type == "cuda" and not self.config.enforce_eager and self.group is None
-        set_compile(accelerate)
+        """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
+        torch.compile if --compile-decode (default: on CUDA only) and replayed as CUDA graphs on CUDA;
+        on CUDA the other steps' mHC is compiled too. Expert-parallel steps exchange host-sized splits
+        every MoE layer, so they stay eager."""
+        cuda = self.device.type == "cuda"
+        accelerate = not self.config.enforce_eager and self.group is None
+        asked = self.config.compile_decode
+        compiled = accelerate and (asked if asked is not None else cuda)
+        set_compile(accelerate and cuda)
         return ModelRunner(
             self.model,
             self.pools,
             self.coordinator,
             Sampler(self.config.seed, self.structured),
             self.device,
-            decode_graphs=accelerate,
+            decode_graphs=accelerate and (cuda or compiled),
+            compile_decode=compiled,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
@@ -129,9 +133,19 @@ class EngineCore:
         rank, size = self.config.data_parallel_rank, self.config.data_parallel_size
         return init_group(address, rank, size, self.device)
 
+    def warmup(self) -> None:
+        """Compile (and on CUDA capture) the decode step before the first request, and say how long."""
+        graphs = self.runner.decode_graphs
+        if graphs is None:
+            return
+        seconds = graphs.warmup()
+        how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
+        log.info("decode step ready in %.1f s (%s)", seconds, ", ".join(how) or "eager")
+
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
         run_dummy_moe(self.model.layers, self.model.cfg.hidden_size, self.device, self.dtype)
+
     def _build_spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative
         if spec is None:
@@ -263,20 +277,17 @@ class EngineCore:
             if self.finish_request(request_id, FinishReason.ERROR):
                 early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
         return early
+
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
 
-        With no drafts to verify and none wanted for the next step (load control), a plain step."""
+        With no drafts to verify and none wanted for the next step (load control), the step drafts
+        nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""
         start = time.perf_counter()
         choice = spec.control.choose(len(self.scheduler.running))
-        plain = choice == 0 and not any(s.num_spec for s in out.scheduled)
-        if plain:
-            for s in out.scheduled:
-                s.request.drop_drafts()  # any left are for positions this step moves past
-            outputs = self._plain_step(out)
-        else:
-            outputs = self._verify_and_draft(out, spec, choice)
-        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=not plain)
+        drafting = choice > 0 or any(s.num_spec for s in out.scheduled)
+        outputs = self._verify_and_draft(out, spec, choice)
+        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=drafting)
         return outputs
 
     def _verify_and_draft(
@@ -418,14 +429,16 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
+        held = self.pools.pages_held
         kv_blocks = {
-            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted)
+            n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted, held(n))
             for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             kv_blocks=kv_blocks,
+            arena=self._arena_usage(),
             prompt_tokens=s.prompt_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions,
@@ -438,6 +451,13 @@ class EngineCore:
             handoff=self.role.stats if self.role is not None else None,
             **self._spec_snapshot(),
         )
+
+    def _arena_usage(self) -> ArenaUsage | None:
+        arena = self.pools.arena
+        if arena is None:
+            return None
+        a = arena.plan
+        return ArenaUsage(a.page_bytes, a.usable_pages, arena.num_free, arena.num_parked, arena.num_reclaimed)
 
     def _expert_tokens(self) -> dict[int, int]:
         counts: dict[int, int] = {}

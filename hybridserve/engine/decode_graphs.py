@@ -14,11 +14,24 @@ the window-padding entries then pool them into the null row of the compressed gr
 the null block unmasked (invisible keys get zero weight, and the values are finite), so real rows are
 unaffected; the null blocks are zeroed again at the end of every padded step, which keeps the padded
 window design's invariant (the null block is all zeros) between steps.
+
+With ``compiled`` the forward and logits of the static step run through ``torch.compile`` (inductor: C++
+loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a few dozen
+kernels. The batch dimension (B > 1) and the compressed-row counts are marked dynamic, so one graph
+serves batch 1 and one every other bucket, whatever the context length. The cache writes are
+``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a copy of
+the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
+Compiling happens on the first step of each graph (or in :meth:`DecodeGraphRunner.warmup`); its time is
+logged and kept in ``compile_seconds``, and inductor caches the generated code on disk
+(``TORCHINDUCTOR_CACHE_DIR``), so a restart with the same model compiles much faster.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +45,16 @@ from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_ten
 from hybridserve.models.attention_meta import AttentionMeta, CompressedMeta, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
+log = logging.getLogger(__name__)
+
 MIN_ROW_BUCKET = 16
+BATCH_STEP = 8
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... below ``max_num_seqs``, then ``max_num_seqs`` itself."""
-    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8 below ``max_num_seqs``, then itself."""
+    sizes = [n for n in (1, 2, 4) if n < max_num_seqs]
+    sizes += range(BATCH_STEP, max_num_seqs, BATCH_STEP)
     return [*sizes, max_num_seqs]
 
 
@@ -77,6 +94,10 @@ def clone_tree(obj: Any) -> Any:
     return obj
 
 
+def _reads(branch: CompressedMeta | None) -> int:
+    return 0 if branch is None else branch.read_slots.shape[1]
+
+
 def pad_reads(branch: CompressedMeta | None, n: int) -> CompressedMeta | None:
     """``branch`` reading ``n`` rows: the extra ones are the null block's slot 0, never visible."""
     if branch is None:
@@ -98,6 +119,14 @@ class StaticDecode:
     meta: AttentionMeta
     logits: torch.Tensor | None = None  # [B, V], written by every run
     graph: torch.cuda.CUDAGraph | None = None
+    ran: bool = False  # the first run of a key may compile
+
+    def mark_dynamic(self) -> None:
+        """The batch dim (B > 1) as dynamic: one compiled graph for every bucket but 1."""
+        b = self.batch.input_ids.shape[0]
+        for t in tensors_of(self):
+            if b > 1 and t.dim() > 0 and t.shape[0] == b:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class DecodeGraphRunner:
@@ -114,8 +143,10 @@ class DecodeGraphRunner:
         use_graphs: bool = True,
         batch_sizes: list[int] | None = None,
         pad_rows: bool = True,
+        compiled: bool = False,
     ) -> None:
-        """``batch_sizes``: the buckets (default ``batch_buckets``); ``pad_rows``: bucket N (else exact)."""
+        """``batch_sizes``: the buckets (default ``batch_buckets``); ``pad_rows``: bucket N (else exact);
+        ``compiled``: the static step through ``torch.compile`` (see the module docstring)."""
         self.model, self.coordinator, self.device = model, coordinator, device
         self.cache = pools.tensors()
         self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs))
@@ -129,6 +160,10 @@ class DecodeGraphRunner:
         ]
         self.entries: dict[tuple[int, int, int], StaticDecode] = {}
         self.graph_pool: Any = None
+        self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
+        if compiled:
+            self.compiled = torch.compile(self._logits, dynamic=None)
+        self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
         return is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1]
@@ -136,24 +171,34 @@ class DecodeGraphRunner:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def warmup(self) -> float:
+        """Run dummy-only steps of batch 1 and 2 (the two graphs), so serving starts compiled; seconds."""
+        start = time.perf_counter()
+        for size in self.buckets[:2]:
+            self.run([], size)
+        return time.perf_counter() - start
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [R, V] of every scheduled request (all of a pure-decode step's rows), in order."""
-        batch = self.padded_batch(scheduled)
+    def run(self, scheduled: list[ScheduledRequest], size: int = 0) -> torch.Tensor:
+        """Logits [R, V] of every scheduled request (all of a pure-decode step's rows), in order; the
+        batch padded to the bucket of ``max(len(scheduled), size)``."""
+        batch = self.padded_batch(scheduled, size)
         meta = self.model.attention_meta(batch)
         layout = batch.host_layout()
         rows = {name: self._rows(getattr(meta, name), layout) for name in ("csa", "hca")}
         meta = dataclasses.replace(
             meta, csa=pad_reads(meta.csa, rows["csa"]), hca=pad_reads(meta.hca, rows["hca"])
         )
-        entry = self._entry((batch.num_tokens, rows["csa"], rows["hca"]), batch, meta)
-        entry.batch.input_ids.copy_(batch.input_ids)
-        for dst, src in zip(tensors_of(entry.meta), tensors_of(meta), strict=True):
-            dst.copy_(src)
-        if self.use_graphs:
-            self._replay(entry)
-        else:
-            entry.logits = self._forward(entry)
+        # Compiled graphs take no inference tensors: the persistent buffers are normal ones.
+        with torch.inference_mode(False), torch.no_grad():
+            entry = self._entry((batch.num_tokens, rows["csa"], rows["hca"]), batch, meta)
+            entry.batch.input_ids.copy_(batch.input_ids)
+            for dst, src in zip(tensors_of(entry.meta), tensors_of(meta), strict=True):
+                dst.copy_(src)
+            if self.use_graphs:
+                self._replay(entry)
+            else:
+                entry.logits = self._forward(entry)
         assert entry.logits is not None
         return entry.logits[: len(scheduled)]
 
@@ -164,9 +209,9 @@ class DecodeGraphRunner:
             return visible_rows(layout, branch.rate)
         return row_bucket(visible_rows(layout, branch.rate), self.max_model_len // branch.rate)
 
-    def padded_batch(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
+    def padded_batch(self, scheduled: list[ScheduledRequest], size: int = 0) -> ForwardBatch:
         """The step's requests, then dummies (position 0, null tables) up to the bucket size."""
-        r, b = len(scheduled), self.bucket(len(scheduled))
+        r, b = len(scheduled), self.bucket(max(len(scheduled), size))
         starts = [s.start for s in scheduled] + [0] * (b - r)
         ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
         rows = list(range(b))
@@ -186,8 +231,8 @@ class DecodeGraphRunner:
     def _tables(self, scheduled: list[ScheduledRequest], b: int) -> dict[str, torch.Tensor]:
         """Every group's [B, width] table, dummy rows all null; one transfer."""
         tables = [self.coordinator.block_tables(s.request.request_id) for s in scheduled]
-        names = list(tables[0])
-        width = max(1, *(len(t[name]) for t in tables for name in names))
+        names = [g.spec.name for g in self.coordinator.plan.groups]
+        width = max([1, *(len(t[name]) for t in tables for name in names)])
         flat: list[int] = []
         for name in names:
             for t in tables:
@@ -200,14 +245,35 @@ class DecodeGraphRunner:
         if key not in self.entries:
             static = dataclasses.replace(batch, input_ids=batch.input_ids.clone(), block_tables={})
             self.entries[key] = StaticDecode(static, clone_tree(meta))
+            if self.compiled is not None:
+                self.entries[key].mark_dynamic()
         return self.entries[key]
 
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
-        streams = self.model(entry.batch, self.cache, entry.meta)
-        logits = self.model.compute_logits(streams)
+        logits = (self.compiled or self._logits)(entry) if entry.ran else self._first_run(entry)
         torch._foreach_zero_(self.null_rows)
         return logits
+
+    def _first_run(self, entry: StaticDecode) -> torch.Tensor:
+        """The key's first run, timed (it compiles a graph if none fits); eager if compiling fails."""
+        start = time.perf_counter()
+        try:
+            logits = (self.compiled or self._logits)(entry)
+        except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
+            log.warning("torch.compile of the decode step failed; decoding eagerly", exc_info=True)
+            self.compiled = None
+            logits = self._logits(entry)
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        entry.ran = True
+        if self.compiled is not None:
+            b, n_csa, n_hca = entry.batch.input_ids.shape[0], _reads(entry.meta.csa), _reads(entry.meta.hca)
+            log.info("decode step batch %d (csa %d, hca %d rows) compiled: %.1f s", b, n_csa, n_hca, seconds)
+        return logits
+
+    def _logits(self, entry: StaticDecode) -> torch.Tensor:
+        return self.model.compute_logits(self.model(entry.batch, self.cache, entry.meta))
 
     def _replay(self, entry: StaticDecode) -> None:
         if entry.graph is None:

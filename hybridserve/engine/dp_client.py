@@ -46,7 +46,7 @@ from hybridserve.engine.messages import (
     decode_output,
     encode,
 )
-from hybridserve.engine.stats import EngineSnapshot, PoolUsage
+from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, PoolUsage
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -292,7 +292,22 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
                 total.cached + pool.cached,
                 total.evicted + pool.evicted,
             )
+            total.pages += pool.pages
+        merged.arena = _merge_arenas(merged.arena, s.arena)
         merged.collective_s += s.collective_s
         for expert, n in s.expert_tokens.items():
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
     return merged
+
+
+def _merge_arenas(total: ArenaUsage | None, rank: ArenaUsage | None) -> ArenaUsage | None:
+    """Every rank has an arena of its own: pages add up (page sizes are equal, one plan per rank)."""
+    if rank is None or total is None:
+        return total if rank is None else dataclasses.replace(rank)
+    return ArenaUsage(
+        rank.page_bytes,
+        total.pages_total + rank.pages_total,
+        total.pages_free + rank.pages_free,
+        total.pages_parked + rank.pages_parked,
+        total.pages_reclaimed + rank.pages_reclaimed,
+    )

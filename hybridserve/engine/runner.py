@@ -26,9 +26,11 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         """``decode_graphs``: run pure-decode steps padded to bucketed static shapes (DecodeGraphRunner),
-        replayed as CUDA graphs on CUDA unless ``enforce_eager``; other steps take the normal path."""
+        replayed as CUDA graphs on CUDA unless ``enforce_eager``, through torch.compile if
+        ``compile_decode``; other steps take the normal path."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
@@ -38,7 +40,14 @@ class ModelRunner:
         if decode_graphs:
             max_len = max_model_len or model.cfg.max_position_embeddings
             self.decode_graphs = DecodeGraphRunner(
-                model, pools, coordinator, device, max_num_seqs, max_len, use_graphs=not enforce_eager
+                model,
+                pools,
+                coordinator,
+                device,
+                max_num_seqs,
+                max_len,
+                use_graphs=not enforce_eager,
+                compiled=compile_decode,
             )
 
     @torch.inference_mode()

@@ -70,14 +70,14 @@ class _GrowthReserve:
     def leaves(self, cost: dict[str, int]) -> bool:
         """True if taking ``cost`` blocks per group still leaves the reserve free."""
         bound = len(self.requests) * self.per_request
-        if all(self.pools[name].num_free - c >= bound for name, c in cost.items()):
+        if self.pools.can_allocate({name: c + bound for name, c in cost.items()}):
             return True
         if self._exact is None:
             self._exact = {}
             for req in self.requests:
                 self._accumulate(self._exact, req)
         exact = self._exact
-        return all(self.pools[name].num_free - c >= exact.get(name, 0) for name, c in cost.items())
+        return self.pools.can_allocate({name: c + exact.get(name, 0) for name, c in cost.items()})
 
     def _accumulate(self, total: dict[str, int], req: Request) -> None:
         for name, n in self.growth(req).items():

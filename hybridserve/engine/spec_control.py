@@ -8,7 +8,8 @@ separately for plain steps and for steps that verify and draft) and, when it dra
 draft at each position is accepted. For n running requests, drafting c tokens each makes a step of
 about n (1 + c) tokens that yields n E(c) tokens, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at
 position i); the controller picks the c in 0..k with the most tokens per second. A step size it has
-never timed is tried once; now and then the runner-up is tried again, so estimates follow the load.
+never timed is tried once; now and then (soon after the start, then every RETRY_EVERY steps) the
+runner-up is tried again, so estimates follow the load.
 vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that many requests run.
 """
 
@@ -46,7 +47,12 @@ class DraftController:
                 return c
         rate = {c: n * self.expected_tokens(c) / self._seconds(c > 0, n * (1 + c)) for c in range(self.k + 1)}
         ranked = sorted(rate, key=lambda c: -rate[c])
-        return ranked[1] if self._steps % RETRY_EVERY == 0 and len(ranked) > 1 else ranked[0]
+        return ranked[1] if self._retry_due() and len(ranked) > 1 else ranked[0]
+
+    def _retry_due(self) -> bool:
+        """Steps 4, 8 and 16, then every RETRY_EVERY: a first timing taken during a load spike is
+        corrected within a short request, not only after RETRY_EVERY steps."""
+        return self._steps in (4, 8, 16) or self._steps % RETRY_EVERY == 0
 
     def _seconds(self, drafting: bool, num_tokens: int) -> float:
         """The expected time of a step of ``num_tokens``: measured at that size, or scaled from the nearest

@@ -6,11 +6,13 @@ engine then commits those tokens and truncates each request's block tables to wh
 window row, compressor input, compressed row or indexer key built from a rejected token is ever read
 (each is rewritten by the forward that next computes its position, before anything reads it).
 
-Then the MTP layer runs over every position the step verified: at position t it reads the trunk's
-streams at t and the token t+1, and writes its own window KV (row t of the draft group ``mtp_kv``). Its
-output at the last verified position gives draft 1; for k > 1 the same layer runs again on its own
-output and draft, one position further, so drafts j >= 2 write speculative MTP rows past the verified
-end, which the next step's MTP pass rewrites. Published (prefix-cached) blocks hold verified rows only.
+Then the MTP layer's window KV is written at every position the step verified, drafting or not: row t
+of the draft group ``mtp_kv`` comes from the trunk's streams at t and the token t+1. Positions no draft
+starts from write only that row (no attention, MoE or head); a drafting request's last k + 1 verified
+positions run the whole layer, and its output at the last one gives draft 1. For k > 1 the same layer
+runs again on its own output and draft, one position further, so drafts j >= 2 write speculative MTP
+rows past the verified end, which the next step rewrites. Published (prefix-cached) blocks hold verified
+rows only.
 """
 
 from __future__ import annotations
@@ -101,52 +103,51 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], drafts: list[int]) -> None:
-        """MTP over the verified positions of every scheduled request (``num_computed_tokens`` already
-        committed), then up to ``drafts[i]`` new drafts for request i (0: only its MTP window KV)."""
+        """The MTP layer's window KV at every position the step verified (``num_computed_tokens`` already
+        committed), then up to ``drafts[i]`` new drafts for request i (0: only its window KV)."""
         assert self._streams is not None
-        rows: list[int] = []
-        ids: list[int] = []
-        last: list[int] = []
+        streams, self._streams = self._streams, None
+        requests = [s.request for s in scheduled]
+        drafts = [self._chain_room(r, n) for r, n in zip(requests, drafts, strict=True)]
+        # A drafting request's last few verified positions run through the whole layer (a decode step's
+        # span: the same cost as one position); every other verified position writes its row only, so a
+        # step that drafts nothing (load control) still leaves the window whole for later drafts.
+        kv, full = _Span(), _Span()
         offset = 0
-        for s in scheduled:
+        for s, n in zip(scheduled, drafts, strict=True):
             req, end = s.request, s.request.num_computed_tokens
-            rows += range(offset, offset + end - s.start)
-            ids += req.all_token_ids[s.start + 1 : end + 1]
-            last.append(len(ids) - 1)
+            tail = min(end - s.start, self.k + 1) if n else 0
+            kv.add(req, offset, s.start, end - tail)
+            full.add(req, offset + end - tail - s.start, end - tail, end)
             offset += s.num_tokens
             req.drop_drafts()
-        requests = [s.request for s in scheduled]
-        starts, ends = [s.start for s in scheduled], [r.num_computed_tokens for r in requests]
-        streams = self.model.mtp_forward(
-            self._streams[torch.tensor(rows, device=self.device)],
-            self._batch(requests, ids, starts, ends),
-            self.cache,
-        )
-        self._streams = None
-        self._draft_chain(requests, streams, last, drafts)
+        if kv.requests:
+            rows = streams[kv.rows_tensor(self.device)]
+            self.model.mtp_write_kv(rows, self._batch(*kv.batch()), self.cache)
+        if full.requests:
+            out = self.model.mtp_forward(
+                streams[full.rows_tensor(self.device)], self._batch(*full.batch()), self.cache
+            )
+            last = torch.tensor(full.last_rows(), device=self.device)
+            active = [n for n in drafts if n]
+            assert len(active) == len(full.requests)
+            self._draft_chain(full.requests, out[last], active)
 
-    def _draft_chain(
-        self, requests: list[Request], streams: torch.Tensor, last: list[int], drafts: list[int]
-    ) -> None:
-        """Draft 1 from the MTP output at each request's last verified position; draft j + 1 from the MTP
-        layer run again on draft j and its own output, one position further (blocks permitting)."""
-        drafts = [self._chain_room(r, n) for r, n in zip(requests, drafts, strict=True)]
-        active = [i for i, n in enumerate(drafts) if n > 0]
-        if not active:
-            return
-        prev = streams[torch.tensor([last[i] for i in active], device=self.device)]
-        for depth in range(self.k):
+    def _draft_chain(self, requests: list[Request], prev: torch.Tensor, drafts: list[int]) -> None:
+        """Draft 1 from ``prev``, the MTP layer's output at each request's last verified position; draft
+        j + 1 from the layer run again on draft j and its own output, one position further."""
+        active = list(range(len(requests)))
+        self._sample_drafts(requests, prev)
+        for depth in range(1, self.k):
             keep = [j for j, i in enumerate(active) if drafts[i] > depth]
             if not keep:
                 return
             if len(keep) < len(active):
                 active, prev = [active[j] for j in keep], prev[torch.tensor(keep, device=self.device)]
             reqs = [requests[i] for i in active]
-            if depth:
-                ids = [r.spec_token_ids[-1] for r in reqs]
-                at = [r.num_computed_tokens + depth - 1 for r in reqs]
-                batch = self._batch(reqs, ids, at, [p + 1 for p in at])
-                prev = self.model.mtp_forward(prev, batch, self.cache)
+            ids = [r.spec_token_ids[-1] for r in reqs]
+            at = [r.num_computed_tokens + depth - 1 for r in reqs]
+            prev = self.model.mtp_forward(prev, self._batch(reqs, ids, at, [p + 1 for p in at]), self.cache)
             self._sample_drafts(reqs, prev)
 
     def _chain_room(self, req: Request, n: int) -> int:
@@ -186,3 +187,38 @@ class SpecDecoder:
             logits_indices=input_ids.new_zeros(0),
             layout=BatchLayout(tuple(starts), tuple(ends)),
         )
+
+
+@dataclass
+class _Span:
+    """Positions [start, end) of some requests, one MTP batch: their rows in the step's streams and the
+    next token of each (the MTP layer at t reads the trunk's streams at t and the token t + 1)."""
+
+    requests: list[Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+
+    def add(self, req: Request, row: int, start: int, end: int) -> None:
+        if end <= start:
+            return
+        self.requests.append(req)
+        self.rows += range(row, row + end - start)
+        self.ids += req.all_token_ids[start + 1 : end + 1]
+        self.starts.append(start)
+        self.ends.append(end)
+
+    def rows_tensor(self, device: torch.device) -> torch.Tensor:
+        return host_tensor(self.rows).to(device)
+
+    def batch(self) -> tuple[list[Request], list[int], list[int], list[int]]:
+        return self.requests, self.ids, self.starts, self.ends
+
+    def last_rows(self) -> list[int]:
+        """Each request's last position, as a row of this batch."""
+        out, at = [], 0
+        for start, end in zip(self.starts, self.ends, strict=True):
+            at += end - start
+            out.append(at - 1)
+        return out

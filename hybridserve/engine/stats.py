@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from hybridserve.distributed.disagg import HandoffStats
 
-__all__ = ["EngineSnapshot", "EngineStats", "HandoffStats", "PoolUsage"]
+__all__ = ["ArenaUsage", "EngineSnapshot", "EngineStats", "HandoffStats", "PoolUsage"]
 
 
 @dataclass
@@ -34,6 +34,18 @@ class PoolUsage:
     total: int
     cached: int
     evicted: int = 0
+    pages: int = 0  # arena pages this group holds (its share of the arena; 0 with fixed pools)
+
+
+@dataclass
+class ArenaUsage:
+    """The cache arena every group draws pages from (--cache-layout arena)."""
+
+    page_bytes: int
+    pages_total: int  # pages groups may take (the null page excluded)
+    pages_free: int  # held by no group
+    pages_parked: int  # held only for cached prefixes: reclaimable by any group
+    pages_reclaimed: int  # parked pages taken back, their cached blocks forgotten
 
 
 @dataclass
@@ -43,6 +55,7 @@ class EngineSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks: dict[str, PoolUsage] = field(default_factory=dict)  # cache group -> its blocks
+    arena: ArenaUsage | None = None
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0

@@ -30,15 +30,15 @@ def _part(key: Key, suffix: str) -> Key:
 def write_rows(cache: dict[Key, torch.Tensor], key: Key, slots: torch.Tensor, rows: torch.Tensor) -> None:
     plain = cache.get(key)
     if plain is not None:
-        plain.index_copy_(0, slots, rows)
+        plain.index_put_((slots,), rows)
         return
     nope = cache[_part(key, NOPE)]
     n = nope.shape[1]
     q, exps = quantize_rows(rows[:, :n])
-    nope.index_copy_(0, slots, q.view(torch.uint8))
-    cache[_part(key, SCALE)].index_copy_(0, slots, exps)
+    nope.index_put_((slots,), q.view(torch.uint8))
+    cache[_part(key, SCALE)].index_put_((slots,), exps)
     rope = cache[_part(key, ROPE)]
-    rope.index_copy_(0, slots, rows[:, n:].to(rope.dtype))
+    rope.index_put_((slots,), rows[:, n:].to(rope.dtype))
 
 
 def read_rows(cache: dict[Key, torch.Tensor], key: Key, index: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,13 @@ class HyperConnection(nn.Module):
         comb = torch.softmax(mixes[:, 2 * hc :].unflatten(-1, (hc, hc)), dim=-1)
         return mhc_tail(pre, post, comb, streams, self.iters, self.hc_eps)
 
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """Only ``forward``'s collapsed streams [T, D] (same ops, so the same values), no Sinkhorn."""
+        flat = _rms_normed(streams.flatten(1).float(), _constant(self.norm_eps, streams.device))
+        mixes = F.linear(flat, self.fn).mul_(self._expanded_scale()).add_(self.base)
+        pre = torch.sigmoid(mixes[:, : self.hc].contiguous())
+        return _collapse(pre + _constant(self.hc_eps, streams.device), streams)
+
 
 def hyper_residual(
     out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor

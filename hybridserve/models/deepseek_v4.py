@@ -37,6 +37,7 @@ from hybridserve.models.attention_meta import (
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
 CacheTensors = dict[tuple[str, str, str], torch.Tensor]
+CosSin = tuple[torch.Tensor, torch.Tensor]
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -142,8 +143,7 @@ class Attention(nn.Module):
         q_res = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_res).view(-1, self.heads, self.head_dim), self.cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)
-        write_rows(cache, (WINDOW_KV, self.key, "kv"), meta.token_slots[WINDOW_KV], kv)
+        self.write_kv(x, (cos, sin), meta.token_slots[WINDOW_KV], cache)
         keys, visible = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots), meta.window_visible
         if self.compressor is not None:
             ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache)
@@ -151,6 +151,10 @@ class Attention(nn.Module):
         out = sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
         out = apply_rope(out, cos, -sin)
         return self.wo_b(self._grouped_out(out))
+
+    def write_kv(self, x: torch.Tensor, rope: CosSin, slots: torch.Tensor, cache: CacheTensors) -> None:
+        """The tokens' window KV rows (K = V, rope on the last dims) into ``slots``."""
+        write_rows(cache, (WINDOW_KV, self.key, "kv"), slots, apply_rope(self.norm(self.wkv(x)), *rope))
 
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         g = self.cfg.o_groups
@@ -211,8 +215,8 @@ class Attention(nn.Module):
     ) -> None:
         """Store this step's compressor inputs, then pool every window the step completes."""
         kv_rows, gate_rows = cache[(state, self.key, fields[0])], cache[(state, self.key, fields[1])]
-        kv_rows.index_copy_(0, slots, comp.wkv(x))
-        gate_rows.index_copy_(0, slots, comp.wgate(x))
+        kv_rows.index_put_((slots,), comp.wkv(x))
+        gate_rows.index_put_((slots,), comp.wgate(x))
         new = cm.new_rows
         if new is None:
             return
@@ -254,6 +258,10 @@ class DecoderLayer(nn.Module):
         post, comb, x = self.hc_ffn(streams)
         return hyper_residual(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
 
+    def write_kv(self, streams: torch.Tensor, rope: CosSin, slots: torch.Tensor, cache: CacheTensors) -> None:
+        """Only the window KV rows ``forward`` would write (a window layer's; no attention, no FFN)."""
+        self.attn.write_kv(self.attn_norm(self.hc_attn.collapse(streams)), rope, slots, cache)
+
 
 class MTPLayer(nn.Module):
     """Multi-token prediction: streams at t and the embedding of t+1 -> logits for t+2."""
@@ -276,8 +284,10 @@ class MTPLayer(nn.Module):
         cache: CacheTensors,
         rotary: dict[str, Rotary],
     ) -> torch.Tensor:
-        x = self.h_proj(self.hnorm(prev_streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(-2)
-        return self.block(x, input_ids, meta, cache, rotary)
+        return self.block(self.input(prev_streams, next_embeds), input_ids, meta, cache, rotary)
+
+    def input(self, prev_streams: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        return self.h_proj(self.hnorm(prev_streams)) + self.e_proj(self.enorm(next_embeds)).unsqueeze(-2)
 
 
 class DeepseekV4Model(nn.Module):
@@ -310,7 +320,7 @@ class DeepseekV4Model(nn.Module):
         rates = {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
         return build_meta(batch, self.cfg.sliding_window, rates, self.rotary(), self.dtype)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: compiled decode steps take normal tensors
     def forward(
         self, batch: ForwardBatch, cache: CacheTensors, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
@@ -322,7 +332,7 @@ class DeepseekV4Model(nn.Module):
             streams = layer(streams, batch.input_ids, meta, cache, rotary)
         return streams
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(
         self, streams: torch.Tensor, hc_head: HyperHead | None = None, norm: RMSNorm | None = None
     ) -> torch.Tensor:
@@ -336,20 +346,36 @@ class DeepseekV4Model(nn.Module):
         """MTP layer ``depth`` at positions t: ``streams`` are the trunk's at t (or this layer's own output
         at t, drafting further), ``batch.input_ids`` the tokens t+1. Its window KV (row t) lives in the
         draft group ``mtp_kv``; the batch's tables need only that group. -> MTP streams."""
-        layer = self.mtp[depth]
-        assert isinstance(layer, MTPLayer)
+        layer = self._mtp_layer(depth)
         # The MTP block is a plain sliding-window layer: it reads its own group as the window group.
         tables = {WINDOW_KV: batch.block_tables[MTP_KV]}
         view = dataclasses.replace(batch, block_tables=tables)
-        key = layer.block.attn.key  # every field of its rows (FP8 rows have several)
-        own = {(WINDOW_KV, k[1], k[2]): t for k, t in cache.items() if k[0] == MTP_KV and k[1] == key}
         embeds = self.embed_tokens(batch.input_ids)
+        own = _mtp_cache(layer, cache)
         return layer(streams, embeds, batch.input_ids, self.attention_meta(view), own, self.rotary())
+
+    @torch.inference_mode()
+    def mtp_write_kv(
+        self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
+    ) -> None:
+        """Only the window KV rows ``mtp_forward`` would write at the batch's positions (no attention, MoE,
+        head): what positions no draft starts from owe the window of later drafts, at a few percent of
+        a trunk step."""
+        layer = self._mtp_layer(depth)
+        slots = batch.slots(MTP_KV, 1, batch.positions, batch.req_indices)
+        top = max(batch.host_layout().ends, default=1) - 1
+        rope = self.rotary()[layer.block.attn.rope_name].cos_sin(batch.positions, self.dtype, top)
+        x = layer.input(streams, self.embed_tokens(batch.input_ids))
+        layer.block.write_kv(x, rope, slots, _mtp_cache(layer, cache))
+
+    def _mtp_layer(self, depth: int) -> MTPLayer:
+        layer = self.mtp[depth]
+        assert isinstance(layer, MTPLayer)
+        return layer
 
     def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """Logits for t+2 from the MTP layer's streams: its own hc_head and norm, the shared head."""
-        layer = self.mtp[depth]
-        assert isinstance(layer, MTPLayer)
+        layer = self._mtp_layer(depth)
         return self.compute_logits(mtp_streams, layer.hc_head, layer.norm)
 
     @torch.no_grad()
@@ -411,6 +437,13 @@ _TOP_LEVEL = {
     "hc_head_scale": "hc_head.hc_scale",
     "lm_head.weight": "head.weight",
 }
+def _mtp_cache(layer: MTPLayer, cache: CacheTensors) -> CacheTensors:
+    """The MTP layer's rows of the draft group, under the window group's name (every field: FP8 rows
+    have several)."""
+    key = layer.block.attn.key
+    return {(WINDOW_KV, k[1], k[2]): t for k, t in cache.items() if k[0] == MTP_KV and k[1] == key}
+
+
 _MTP_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head")
 
 

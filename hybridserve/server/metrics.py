@@ -40,6 +40,7 @@ class _EngineCollector(Collector):
             cached.add_metric([name], pool.cached)
             evicted.add_metric([name], pool.evicted)
         yield from (used, total, cached, evicted)
+        yield from _arena_metrics(stats)
         yield _counter("hybridserve_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield _counter("hybridserve_generation_tokens", "tokens generated", stats.generation_tokens)
         yield _counter(
@@ -63,6 +64,25 @@ class _EngineCollector(Collector):
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
         yield from _rank_metrics(llm.rank_stats)
         yield from _spec_decode_metrics(stats)
+
+
+def _arena_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    """The cache arena (--cache-layout arena): its pages and each group's share of them."""
+    a = stats.arena
+    if a is None:
+        return
+    yield _gauge("hybridserve_kv_arena_page_bytes", "bytes of one cache arena page", a.page_bytes)
+    yield _gauge("hybridserve_kv_arena_pages_total", "cache arena pages groups may take", a.pages_total)
+    yield _gauge("hybridserve_kv_arena_pages_free", "arena pages no group holds", a.pages_free)
+    parked, reclaimed = "pages held only for cached prefixes (reclaimable)", "parked pages taken back"
+    yield _gauge("hybridserve_kv_arena_pages_parked", parked, a.pages_parked)
+    yield _counter("hybridserve_kv_arena_pages_reclaimed", reclaimed, a.pages_reclaimed)
+    held = GaugeMetricFamily(
+        "hybridserve_kv_arena_pages_held", "cache arena pages a group holds", labels=["group"]
+    )
+    for name, pool in stats.kv_blocks.items():
+        held.add_metric([name], pool.pages)
+    yield held
 
 
 def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.cache.arena import ArenaBlockPool
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.spec import GroupKind
@@ -63,6 +64,25 @@ class RadixOracle:
                 return blocks
 
             pool.allocate = handed_out  # type: ignore[method-assign]
+            if isinstance(pool, ArenaBlockPool):
+                self._watch_arena(name, pool)
+
+    def _watch_arena(self, name: str, pool: ArenaBlockPool) -> None:
+        """Arena pools hand blocks out by pages, and forget cached blocks of a page another group takes."""
+        allocate, reclaim = pool.allocate_pages, pool.reclaim_oldest
+
+        def handed_out(n: int, pages: int, spare: int) -> tuple[list[int], int]:
+            blocks, used = allocate(n, pages, spare)
+            self.lost(name, blocks)
+            return blocks, used
+
+        def reclaimed() -> list[int]:
+            blocks = reclaim()
+            self.lost(name, blocks)
+            return blocks
+
+        pool.allocate_pages = handed_out  # type: ignore[method-assign]
+        pool.reclaim_oldest = reclaimed  # type: ignore[method-assign]
 
     def computed(self, req_id: str, tokens: list[int], tables: dict[str, list[int]]) -> None:
         B, node = self.block_tokens, self.root

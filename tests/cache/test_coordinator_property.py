@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hypothesis.strategies as st
+import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -16,11 +19,52 @@ BLOCK = 4
 LOOKBACK = 3
 
 
+class BlockContents:
+    """A tag written into every referenced or cached block of every group, checked after each rule: a
+    block whose bytes another group's block overlaps, or that a hand-out elsewhere zeroed, loses it."""
+
+    def __init__(self, pools: BlockPoolSet) -> None:
+        self.pools = pools
+        self.tags: dict[tuple[str, int], float] = {}
+        self.next_tag = 1.0
+        for name, pool in pools.pools.items():
+            pool._zero = self._forgetting(name, pool._zero)  # type: ignore[method-assign]
+
+    def _forgetting(self, name: str, zero: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+        def zero_and_forget(blocks: list[int]) -> None:
+            zero(blocks)
+            for b in blocks:
+                self.tags.pop((name, b), None)
+
+        return zero_and_forget
+
+    def check_and_tag(self, live: dict[str, set[int]]) -> None:
+        self.tags = {(n, b): v for (n, b), v in self.tags.items() if b in live[n]}
+        for (name, b), tag in self.tags.items():
+            for t in self._rows(name, b):
+                assert torch.all(t == tag), f"{name}: block {b} lost its contents"
+        for name, blocks in live.items():
+            for b in blocks - {NULL_BLOCK}:
+                if (name, b) not in self.tags:
+                    self.tags[(name, b)] = self.next_tag
+                    self.next_tag += 1
+                    for t in self._rows(name, b):
+                        t.fill_(self.tags[(name, b)])
+
+    def _rows(self, name: str, block: int) -> list[torch.Tensor]:
+        pool = self.pools[name]
+        r = pool.plan.rows_per_block
+        return [t[block * r : (block + 1) * r] for t in pool.tensors.values()]
+
+
 class CoordinatorMachine(RuleBasedStateMachine):
+    LAYOUT = "fixed"
+
     def __init__(self) -> None:
         super().__init__()
-        self.plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=24)
+        self.plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=24, layout=self.LAYOUT)
         self.pools = BlockPoolSet(self.plan, "cpu")
+        self.contents = BlockContents(self.pools)
         self.coord = KvCacheCoordinator(self.plan, self.pools, enable_prefix_caching=False, lookback=LOOKBACK)
         self.lengths: dict[str, int] = {}  # the reference: tokens each live request has written
         self.starts: dict[str, int] = {}  # furthest start of each request's allocations
@@ -85,6 +129,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert len(held) == len(set(held)), f"{name}: a block is held twice"
             assert self.pools[name].num_used == len(held), f"{name}: leaked or lost blocks"
             self.pools[name].check_integrity()
+        self.pools.check_integrity()  # with the arena: pages partition the arena, one owner each
+
+    @invariant()
+    def blocks_keep_their_contents(self) -> None:
+        tables = [self.coord.block_tables(rid) for rid in self.lengths]
+        live = {n: {b for t in tables for b in t[n]} for n in self.pools.pools}
+        self.contents.check_and_tag(live)
 
     def teardown(self) -> None:
         for rid in list(self.lengths):
@@ -97,13 +148,26 @@ TestCoordinator = CoordinatorMachine.TestCase
 TestCoordinator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class ArenaCoordinatorMachine(CoordinatorMachine):
+    """The same sequences with every group drawing pages from one arena of the same bytes."""
+
+    LAYOUT = "arena"
+
+
+TestArenaCoordinator = ArenaCoordinatorMachine.TestCase
+TestArenaCoordinator.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
 class PrefixSharingMachine(RuleBasedStateMachine):
     """Publishing, probing, sharing and eviction mixed with extends and releases."""
 
+    LAYOUT = "fixed"
+
     def __init__(self) -> None:
         super().__init__()
-        plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=20)
+        plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=20, layout=self.LAYOUT)
         self.pools = BlockPoolSet(plan, "cpu")
+        self.contents = BlockContents(self.pools)
         self.coord = KvCacheCoordinator(plan, self.pools, enable_prefix_caching=True)
         self.tokens: dict[str, list[int]] = {}
         self.next_id = 0
@@ -164,6 +228,16 @@ class PrefixSharingMachine(RuleBasedStateMachine):
                 if refs.get(b, 0) > 1 and not self.was_reset:
                     assert pool.block_hash[b] is not None, f"{name}: unpublished block {b} shared"
             pool.check_integrity()
+        self.pools.check_integrity()
+
+    @invariant()
+    def blocks_keep_their_contents(self) -> None:
+        """Referenced and cached blocks keep their bytes (cached ones until evicted or reclaimed)."""
+        live = {
+            n: {b for rid in self.tokens for b in self.coord.block_tables(rid)[n]} | set(p._cached.values())
+            for n, p in self.pools.pools.items()
+        }
+        self.contents.check_and_tag(live)
 
     def teardown(self) -> None:
         for rid in list(self.tokens):
@@ -176,3 +250,13 @@ class PrefixSharingMachine(RuleBasedStateMachine):
 
 TestPrefixSharing = PrefixSharingMachine.TestCase
 TestPrefixSharing.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class ArenaPrefixSharingMachine(PrefixSharingMachine):
+    """Prefix sharing over one arena: parked pages, hits that revive them, reclaims across groups."""
+
+    LAYOUT = "arena"
+
+
+TestArenaPrefixSharing = ArenaPrefixSharingMachine.TestCase
+TestArenaPrefixSharing.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -38,7 +38,11 @@ def _null_rows_zero(pools: BlockPoolSet) -> bool:
 
 
 def _run(
-    model: DeepseekV4Model, prompts: tuple[int, ...], graphs: bool, exact: bool = False
+    model: DeepseekV4Model,
+    prompts: tuple[int, ...],
+    graphs: bool,
+    exact: bool = False,
+    compiled: bool = False,
 ) -> tuple[list[torch.Tensor], BlockPoolSet]:
     """Chunked prefill on the plain path, then greedy decode on the plain or the bucketed path."""
     plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=128)
@@ -46,7 +50,15 @@ def _run(
     coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
     sizes = list(range(1, 9)) if exact else None
     runner = DecodeGraphRunner(
-        model, pools, coord, torch.device("cpu"), 8, MAX_LEN, batch_sizes=sizes, pad_rows=not exact
+        model,
+        pools,
+        coord,
+        torch.device("cpu"),
+        8,
+        MAX_LEN,
+        batch_sizes=sizes,
+        pad_rows=not exact,
+        compiled=compiled,
     )
     g = torch.Generator().manual_seed(0)
     reqs = [
@@ -81,7 +93,8 @@ def _run(
 def test_buckets() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(5) == [1, 2, 4, 5]
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert [row_bucket(n, 64) for n in (0, 1, 16, 17, 40, 64)] == [16, 16, 16, 32, 64, 64]
     assert row_bucket(10, 4) == 10  # never below the real count
 
@@ -169,3 +182,17 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
             assert _null_rows_zero(core.pools)
     assert outputs[0] == outputs[1]
     assert all(len(t) == DECODE_STEPS for t in outputs[0])
+
+
+def test_compiled_decode_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """torch.compile (inductor's C++ backend on CPU) of the static step: fp32 rounding, same tokens. One
+    request whose compressed rows stay in one bucket: a single graph, since compiling takes a while."""
+    model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
+    plain, _ = _run(model, (9,), graphs=False)
+    compiled, pools = _run(model, (9,), graphs=True, compiled=True)
+    assert len(plain) == len(compiled) >= DECODE_STEPS
+    worst = max(float((a - b).abs().max()) for a, b in zip(plain, compiled, strict=True))
+    assert worst <= ATOL
+    for a, b in zip(plain, compiled, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert _null_rows_zero(pools)

@@ -16,6 +16,7 @@ from tests.cache.radix_oracle import RadixOracle
 from tests.tiny_models import VOCAB
 
 BLOCK = 8
+ARENA_BLOCKS = 9  # an arena of the bytes of 9 blocks of every group: evicts and reclaims across groups
 
 
 def _workload(seed: int, n: int) -> list[list[int]]:
@@ -66,21 +67,33 @@ def _run_with_oracle(
     return [r.output_token_ids for r in requests]
 
 
-@pytest.mark.parametrize(("num_blocks", "seqs"), [(None, 4), (20, 6)], ids=["roomy", "evicting"])
+@pytest.mark.parametrize(
+    ("num_blocks", "seqs", "layout"),
+    [(None, 4, None), (20, 6, "fixed"), (ARENA_BLOCKS, 6, "arena")],
+    ids=["roomy", "evicting", "evicting_arena"],
+)
 def test_hits_equal_the_radix_oracle_and_outputs_equal_caching_off(
-    tiny_checkpoint: Callable[[str], Path], num_blocks: int | None, seqs: int
+    tiny_checkpoint: Callable[[str], Path], num_blocks: int | None, seqs: int, layout: str | None
 ) -> None:
     folder = str(tiny_checkpoint("mixed"))
     prompts = _workload(seed=3, n=24)
-    kw = dict(block_tokens=BLOCK, max_num_seqs=seqs, max_num_batched_tokens=24, num_blocks=num_blocks)
+    kw = dict(
+        block_tokens=BLOCK,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=24,
+        num_blocks=num_blocks,
+        cache_layout=layout,
+    )
     cached = LLM(folder, **kw)
     got = _run_with_oracle(cached.engine, prompts, max_tokens=10, arrivals=3, reset_at=12)
     plain = LLM(folder, enable_prefix_caching=False, **kw)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert cached.engine.scheduler.prefix_hit_tokens > 0
-    if num_blocks is not None:  # the small pool evicts cached blocks and preempts running requests
+    if layout == "fixed":  # the small pool evicts cached blocks and preempts running requests
         assert cached.engine.scheduler.num_preemptions > 0
+    if layout == "arena":  # groups short of pages took back pages other groups kept for cached prefixes
+        assert cached.engine.pools.arena is not None and cached.engine.pools.arena.num_reclaimed > 0
     cached.engine.reset_prefix_cache()
     assert cached.engine.pools.all_free() and all(
         p.num_cached == 0 for p in cached.engine.pools.pools.values()

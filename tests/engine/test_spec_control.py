@@ -41,3 +41,10 @@ def test_disable_by_batch_size_and_fixed_k() -> None:
     control = DraftController(2, adaptive=False, disable_by_batch_size=8)
     assert control.choose(7) == 2 and control.choose(8) == 0
     assert control.expected_tokens(0) == 1.0
+
+
+def test_tries_the_runner_up_soon_after_the_start_then_every_32_steps() -> None:
+    control = DraftController(2)
+    _teach(control, {(False, 1): 0.010, (True, 2): 0.011, (True, 3): 0.012}, 0.8)
+    picks = [control.choose(1) for _ in range(64)]
+    assert [step for step, c in enumerate(picks, start=1) if c != 2] == [4, 8, 16, 32, 64]

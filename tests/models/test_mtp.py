@@ -82,14 +82,17 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _model_card_drafts(ref: object, mtp: MTPModule, ids: list[int], first: int, k: int) -> list[int]:
+def _model_card_drafts(
+    ref: object, mtp: MTPModule, ids: list[int], first: int, k: int, feed: list[int] | None = None
+) -> list[int]:
     """Drafts from the DeepSeek-V4 model card's MTP formula, composed here from transformers' parts:
 
         x_t = h_proj(hnorm(h_t)) + e_proj(enorm(embed(tok_{t+1})))   (per hyper-connection stream)
         y = block(x)  (one sliding-window decoder layer over the MTP positions, causal)
         logits_{t+2} = head(norm(hc_head(y_t)))
 
-    and for k > 1 the same layer again, one position further, on its own output y and its own draft.
+    and for k > 1 the same layer again, one position further, on its own output y and its own draft
+    (or, teacher-forced, on ``feed[j]`` at depth j + 2).
     """
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
@@ -117,7 +120,8 @@ def _model_card_drafts(ref: object, mtp: MTPModule, ids: list[int], first: int, 
     y = block(x)
     for _ in range(k):
         drafts.append(draft(y[:, -1:]))
-        x = torch.cat([x, inputs(y[:, -1:], drafts[-1:])], dim=1)
+        token = feed[len(drafts) - 1] if feed and len(drafts) <= len(feed) else drafts[-1]
+        x = torch.cat([x, inputs(y[:, -1:], [token])], dim=1)
         y = block(x)
     return drafts
 
@@ -149,3 +153,24 @@ def test_mtp_drafts_match_the_model_card_formula(
             expected = _model_card_drafts(ref, mtp, ids, out.new_token_ids[0], 3)
         assert req.spec_token_ids == expected
         core.abort_request(req.request_id)
+
+
+def test_mtp_kv_write_equals_the_rows_of_the_full_layer(mtp_checkpoint: Callable[[str], Path]) -> None:
+    """``mtp_write_kv`` (no attention, MoE or head) writes exactly the window rows ``mtp_forward`` writes."""
+    model = load_model(mtp_checkpoint("mixed"), torch.float32, "cpu")
+    plan = build_plan(model.cache_specs(include_mtp=True), 8, 2, 64, num_blocks=32)
+    pools = BlockPoolSet(plan, "cpu")
+    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert coord.allocate("r", 0, len(ids))
+    tables = coord.block_tables("r")
+    streams = model(_batch(ids, range(len(ids)), tables, 8), pools.tensors())
+    mtp_batch = _batch(ids[1:], range(len(ids) - 1), tables, 8)
+    rows = pools["mtp_kv"].tensors
+    model.mtp_forward(streams[:-1], mtp_batch, pools.tensors())
+    full = {k: t.clone() for k, t in rows.items()}
+    for t in rows.values():
+        t.zero_()
+    model.mtp_write_kv(streams[:-1], mtp_batch, pools.tensors())
+    assert full and all(torch.equal(rows[k], full[k]) for k in full)
+    assert any(bool(t.abs().sum() > 0) for t in full.values())

@@ -178,3 +178,14 @@ def test_prefix_hits_show_in_usage_and_metrics_and_reset_clears_them(
     after = client.completions.create(**kwargs)  # type: ignore[call-overload]
     assert after.usage is not None and after.usage.prompt_tokens_details is not None
     assert after.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_show_the_cache_arena_and_each_groups_pages(client: openai.OpenAI, server: Server) -> None:
+    m = server.metrics()
+    total = m["hybridserve_kv_arena_pages_total"]
+    assert m["hybridserve_kv_arena_page_bytes"] > 0 and total > 0
+    assert m["hybridserve_kv_arena_pages_free"] + m["hybridserve_kv_arena_pages_parked"] <= total
+    held = {k: v for k, v in m.items() if k.startswith("hybridserve_kv_arena_pages_held{")}
+    assert 'hybridserve_kv_arena_pages_held{group="swa_kv"}' in held
+    assert total - m["hybridserve_kv_arena_pages_free"] == sum(held.values())
+    assert "hybridserve_kv_arena_pages_reclaimed_total" in m

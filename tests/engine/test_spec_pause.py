@@ -1,0 +1,64 @@
+"""Steps that draft nothing (load control) still write the MTP layer's window KV: when drafting resumes,
+the draft reads a whole window and equals the draft of a run that never paused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from hybridserve.models.deepseek_v4_meta import MTP_KV
+
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.config import EngineConfig
+from hybridserve.engine.core import EngineCore
+from hybridserve.engine.request import Request, SamplingParams
+from tests.engine.spec_helpers import mtp
+from tests.tiny_models import VOCAB
+
+K = 2
+PLAN = [K, K, 0, 0, 0, 0, 0, 0, 0, K]  # drafts chosen per step: a stretch of plain steps, then drafting
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _core(folder: Path) -> EngineCore:
+    config = EngineConfig(model=str(folder), kv_cache_memory="32MiB", speculative_config=mtp(K))
+    return EngineCore(config)
+
+
+def _mtp_rows(core: EngineCore, req: Request, positions: range) -> torch.Tensor:
+    """The MTP layer's window KV rows of ``req`` at ``positions`` (all fields, concatenated)."""
+    pool = core.pools[MTP_KV]
+    per_block = pool.plan.rows_per_block
+    table = core.coordinator.block_tables(req.request_id)[MTP_KV]
+    slots = [table[p // per_block] * per_block + p % per_block for p in positions]
+    assert NULL_BLOCK not in [table[p // per_block] for p in positions]
+    return torch.cat([t[torch.tensor(slots)].flatten(1).float() for t in pool.tensors.values()], dim=1)
+
+
+def test_drafts_after_plain_steps_equal_those_of_a_run_that_never_paused(
+    mtp_checkpoint: Callable[[str], Path],
+) -> None:
+    folder = mtp_checkpoint("mixed")
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    paused = _core(folder)
+    choices = iter(PLAN)
+    paused.spec.control.choose = lambda num_running: next(choices)  # type: ignore[union-attr, method-assign]
+    req = Request("paused", prompt, GREEDY)
+    paused.add_request(req)
+    for _ in PLAN:
+        paused.step()
+    assert len(req.spec_token_ids) == K
+    c = req.num_computed_tokens
+    window = paused.model.cfg.sliding_window
+    assert c - len(prompt) > window  # the plain stretch covered the whole window
+
+    # Never paused: the same tokens as a prompt; its prefill writes every MTP row, then it drafts.
+    fresh = _core(folder)
+    ref = Request("fresh", req.all_token_ids[:c], GREEDY)
+    fresh.add_request(ref)
+    fresh.step()
+    assert ref.output_token_ids[0] == req.all_token_ids[c]
+    assert ref.spec_token_ids == req.spec_token_ids
+    span = range(c - window, c)
+    torch.testing.assert_close(_mtp_rows(paused, req, span), _mtp_rows(fresh, ref, span), atol=1e-5, rtol=0)
