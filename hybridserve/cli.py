@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -44,39 +45,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hybridserve.engine.core import build_cache_plan
-    from hybridserve.models.deepseek_v4 import cache_specs
-    from hybridserve.models.deepseek_v4_config import DeepseekV4Config
-    from hybridserve.models.loader import read_config
+    """The cache plan an engine started with these flags builds (the engine's own ``plan_cache``)."""
+    from hybridserve.engine.cache_plan import plan_cache
+    from hybridserve.models.loader import build_meta_model, read_config
 
     config = EngineConfig.from_cli(args)
     raw = read_config(config.model)
-    cfg = DeepseekV4Config.from_dict(raw)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    specs = cache_specs(
-        cfg, dtype, include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
-    )
-    plan = build_cache_plan(config, specs)
-    length = config.max_model_len or min(cfg.max_position_embeddings, plan.max_request_tokens())
-    print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
-    print(plan.describe(request_tokens=length))
-    _print_rank_bytes(config, dtype, plan.total_bytes)
+    model = build_meta_model(config.model, dtype)
+    plan = plan_cache(config, model, _local_device(config))
+    length = config.max_model_len or min(model.cfg.max_position_embeddings, plan.max_request_tokens())
+    ranks = _rank_bytes(config, model, plan.total_bytes)
+    if args.json:
+        report = {"model": config.model, "dtype": str(dtype).removeprefix("torch."), **plan.as_dict()}
+        report |= {"request_tokens": length, "requests_that_fit": plan.requests_that_fit(length)}
+        report |= {"data_parallel_size": config.data_parallel_size, "expert_parallel": config.expert_parallel}
+        print(json.dumps(report | {"ranks": ranks}, indent=2))
+    else:
+        print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
+        print(plan.describe(request_tokens=length))
+        _print_rank_bytes(config, ranks)
+    plan.check_usable()  # the engine refuses such a plan at start-up: say so (exit status 2)
     return 0
 
 
-def _print_rank_bytes(config: EngineConfig, dtype: torch.dtype, cache_bytes: int) -> None:
-    """Weights and cache each data-parallel rank holds (every rank has a plan of its own)."""
+def _local_device(config: EngineConfig) -> torch.device | None:
+    """The engine's device when this host has it (its FP8 check then runs); planning for an absent GPU
+    skips only that check."""
+    device = config.torch_device()
+    return device if device.type == "cpu" or torch.cuda.is_available() else None
+
+
+def _rank_bytes(config: EngineConfig, model: torch.nn.Module, cache_bytes: int) -> list[dict[str, int]]:
+    """Weights and cache each data-parallel rank holds (every rank builds the same cache plan)."""
     from hybridserve.distributed.expert_parallel import weight_bytes_per_rank
-    from hybridserve.models.loader import build_meta_model
 
     n = config.data_parallel_size
-    ranks = n if config.expert_parallel else 1
-    weights = weight_bytes_per_rank(build_meta_model(config.model, dtype), ranks)
+    weights = weight_bytes_per_rank(model, n if config.expert_parallel else 1)
+    per_rank = weights if config.expert_parallel else weights * n
+    return [
+        {"rank": r, "weight_bytes": w, "cache_bytes": cache_bytes, "total_bytes": w + cache_bytes}
+        for r, w in enumerate(per_rank)
+    ]
+
+
+def _print_rank_bytes(config: EngineConfig, ranks: list[dict[str, int]]) -> None:
+    n = config.data_parallel_size
     mode = "expert parallel" if config.expert_parallel else "replicas"
     print(f"data parallel: {n} rank{'s' if n > 1 else ''} ({mode})" if n > 1 else "single rank")
-    for rank in range(n):
-        w = weights[rank if config.expert_parallel else 0]
-        print(f"rank {rank}: weights {w:,} B  cache {cache_bytes:,} B  total {w + cache_bytes:,} B")
+    for r in ranks:
+        print(
+            f"rank {r['rank']}: weights {r['weight_bytes']:,} B  cache {r['cache_bytes']:,} B  "
+            f"total {r['total_bytes']:,} B"
+        )
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -136,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             _sampling_args(p)
             p.add_argument("prompts", nargs="+")
+        if name == "plan":
+            p.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
         if name == "serve":
             from hybridserve.server.args import add_server_args
 

@@ -54,10 +54,13 @@ def stop(process: subprocess.Popen, grace: float = 30.0) -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
+    """Every process below ``pid``, whichever of its threads started it."""
+    kids: list[str] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += (task / "children").read_text().split()
+        except OSError:
+            continue
     return [int(k) for k in kids] + [g for k in kids for g in descendants(int(k))]
 
 

@@ -15,17 +15,18 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
-from hybridserve.bench.server_process import free_port, parse_metrics, rss_mib, stop, wait_healthy
-from hybridserve.bench.soak_chaos import Chaos
+from hybridserve.bench.server_process import descendants, parse_metrics, rss_mib, wait_healthy
+from hybridserve.bench.soak_chaos import Chaos, casualty
+from hybridserve.bench.soak_deploy import START_TIMEOUT_S, Deployment, add_deployment_args
 from hybridserve.bench.soak_traffic import KINDS, LATENCY_KINDS, Outcome, Traffic
 from hybridserve.config import default_model_path
 
@@ -46,7 +47,12 @@ class SoakReport:
     rss_second_half_growth_mib: float = 0.0
     latency_quarters: list[dict[str, float]] = field(default_factory=list)  # p50/p90/p99 seconds
     server_exit: int | None = None
+    exits: dict[str, int] = field(default_factory=dict)  # unit -> exit status on SIGTERM at the end
     kills: list[tuple[int, int]] = field(default_factory=list)  # chaos: (requests done, worker pid)
+    casualties: int = 0  # chaos: requests in flight on a killed process that failed (not wrong answers)
+    restarts: dict[str, list[int]] = field(default_factory=dict)  # chaos: unit -> exit status of each death
+    outlived: list[int] = field(default_factory=list)  # chaos: children that outlived their killed parent
+    hangs: list[str] = field(default_factory=list)  # chaos: servers that did not exit after losing a core
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -55,8 +61,9 @@ class SoakReport:
 
 
 # ---- the server's side: its processes, its memory, its metrics -----------------------------------
-def _sum(metrics: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith(prefix))
+def _sum(metrics: dict[str, float], name: str) -> float:
+    """``name``'s values summed over labels and, for a deployment, over its units (``unit:name``)."""
+    return sum(v for k, v in metrics.items() if k.partition(":")[2].startswith(name) or k.startswith(name))
 
 
 async def wait_idle(client: httpx.AsyncClient, timeout: float = 60.0) -> dict[str, float]:
@@ -71,24 +78,6 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float = 60.0) -> dict[st
         await asyncio.sleep(0.1)
 
 
-def launch(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "hybridserve.cli", "serve",
-        "--model", str(args.model or default_model_path()),
-        "--port", str(port),
-        "--num-blocks", str(args.num_blocks),
-        "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-body-bytes", str(args.max_body_bytes),
-        "--max-queue", str(4 * args.concurrency),
-        "--reserve-lookahead", str(args.reserve_lookahead),
-        "--num-threads", "1",
-        "--log-level", "warning",
-        *args.server_arg,
-    ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
-
-
 # ---- the client's side ---------------------------------------------------------------------------
 def _plan(requests: int, seed: int) -> list[str]:
     rng = random.Random(seed)
@@ -96,11 +85,17 @@ def _plan(requests: int, seed: int) -> list[str]:
     return rng.choices(names, weights=[KINDS[n][0] for n in names], k=requests)
 
 
-async def drive(args: argparse.Namespace, url: str, pid: int | None, report: SoakReport) -> list[Outcome]:
+async def drive(
+    args: argparse.Namespace, url: str, deployment: Deployment | None, report: SoakReport
+) -> list[Outcome]:
     text = Path(default_model_path(), "heldout.txt").read_text()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=2 * args.concurrency + 4)
     timeout = httpx.Timeout(args.request_timeout)
+    ready = asyncio.Event()
+    ready.set()
+    if deployment is not None:
+        deployment.ready = ready
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         model = (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
         roots = [text[s : s + 120] for s in (0, 3000, 7000, 11000)]
@@ -112,25 +107,74 @@ async def drive(args: argparse.Namespace, url: str, pid: int | None, report: Soa
         outcomes: list[Outcome] = []
         sample_every = max(1, args.requests // 40)
         chaos = Chaos(args.kill_every, args.kill_match, random.Random(args.seed))
+        pids = _watched(args, deployment)
 
         async def worker() -> None:
             while not queue.empty():
                 i, kind = queue.get_nowait()
+                await asyncio.wait_for(ready.wait(), START_TIMEOUT_S + args.request_timeout)
                 outcomes.append(await KINDS[kind][1](traffic, random.Random(args.seed * 1_000_003 + i)))
-                if pid is not None and len(outcomes) % sample_every == 0:
-                    report.rss_mib.append((len(outcomes), round(rss_mib(pid), 1)))
-                chaos.after(len(outcomes), pid)
+                if pids and len(outcomes) % sample_every == 0:
+                    report.rss_mib.append((len(outcomes), round(sum(rss_mib(p) for p in pids()), 1)))
+                if pids and len(outcomes) < args.requests:  # no kill after the last: survivors are judged
+                    kills = len(chaos.kills)
+                    chaos.after(len(outcomes), _workers(args, deployment))
+                    if deployment is not None and len(chaos.kills) > kills:
+                        deployment.killed()
+                if deployment is not None:
+                    await deployment.revive()
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        metrics = await wait_idle(client)
+        if deployment is not None:
+            await deployment.revive()
+        metrics = await _idle_metrics(client, deployment)
     report.kills = chaos.kills
+    report.outlived = chaos.outlived() if chaos.kills else []
     report.kv_blocks_used_after = {
-        k: v for k, v in metrics.items() if k.startswith("hybridserve_kv_blocks_used")
+        k: v for k, v in metrics.items() if "hybridserve_kv_blocks_used" in k
     }
-    report.preemptions = metrics.get("hybridserve_num_preemptions_total", 0.0)
+    report.preemptions = _sum(metrics, "hybridserve_num_preemptions_total")
     report.evictions = _sum(metrics, "hybridserve_kv_blocks_evicted_total")
-    report.prefix_hit_tokens = metrics.get("hybridserve_prefix_cache_hits_total", 0.0)
+    report.prefix_hit_tokens = _sum(metrics, "hybridserve_prefix_cache_hits_total")
     return outcomes
+
+
+def _watched(args: argparse.Namespace, deployment: Deployment | None) -> Callable[[], list[int]] | None:
+    """The processes whose memory is sampled (each with its descendants), or None if unknown."""
+    if deployment is not None:
+        return deployment.rss_pids
+    return (lambda: [args.server_pid]) if args.server_pid is not None else None
+
+
+def _workers(args: argparse.Namespace, deployment: Deployment | None) -> list[int]:
+    """Chaos's candidates: the deployment's worker processes, or a given server's descendants."""
+    if deployment is not None:
+        return deployment.worker_pids()
+    return descendants(args.server_pid) if args.server_pid is not None else []
+
+
+async def _idle_metrics(client: httpx.AsyncClient, deployment: Deployment | None) -> dict[str, float]:
+    """Every live unit's metrics once it is idle, keys prefixed with the unit (one server: unprefixed).
+    A unit that goes down meanwhile (its last kill) is started again first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return await _units_idle(client, deployment)
+        except httpx.TransportError:
+            if deployment is None or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+            await deployment.revive()
+
+
+async def _units_idle(client: httpx.AsyncClient, deployment: Deployment | None) -> dict[str, float]:
+    if deployment is None or deployment.router is None:
+        return await wait_idle(client)
+    merged: dict[str, float] = {}
+    for u in deployment.live_units():
+        async with httpx.AsyncClient(base_url=u.url, timeout=client.timeout) as own:
+            merged |= {f"{u.name}:{k}": v for k, v in (await wait_idle(own)).items()}
+    return merged
 
 
 # ---- judging -------------------------------------------------------------------------------------
@@ -145,13 +189,16 @@ def judge(report: SoakReport, outcomes: list[Outcome], args: argparse.Namespace)
     report.requests = len(outcomes)
     report.by_kind = dict(Counter(o.kind for o in outcomes))
     report.by_status = {str(k): v for k, v in sorted(Counter(o.status for o in outcomes).items())}
-    bad = [o for o in outcomes if o.problem]
+    cut = [o for o in outcomes if report.kills and casualty(o.status, o.problem)]
+    report.casualties = len(cut)
+    bad = [o for o in outcomes if o.problem and o not in cut]
     report.problems = [f"{o.kind}: {o.problem}" for o in bad[:30]]
-    report.server_errors = sum(1 for o in outcomes if o.status >= 500 and o.status != 503)
+    report.server_errors = sum(1 for o in outcomes if o.status >= 500 and o.status != 503 and o not in cut)
     short = [o.latency for o in outcomes if o.kind in LATENCY_KINDS and o.status == 200 and not o.problem]
     quarter = max(1, len(short) // 4)
     report.latency_quarters = [_percentiles(short[i * quarter : (i + 1) * quarter]) for i in range(4)]
-    half = [rss for done, rss in report.rss_mib if done > report.requests // 2]
+    last_kill = max((done for done, _ in report.kills), default=0)  # restarted processes start small
+    half = [rss for done, rss in report.rss_mib if done > max(report.requests // 2, last_kill)]
     report.rss_second_half_growth_mib = round(max(half) - min(half), 1) if half else 0.0
     checks = [
         (len(outcomes) == args.requests, f"{len(outcomes)} of {args.requests} requests ran"),
@@ -164,13 +211,19 @@ def judge(report: SoakReport, outcomes: list[Outcome], args: argparse.Namespace)
         (report.preemptions > 0, "no preemption: the pool is not tight (lower --num-blocks)"),
         (report.evictions > 0, "no cached block was evicted: the pool is not tight"),
         (
-            report.rss_second_half_growth_mib <= args.rss_bound_mib,
+            report.rss_second_half_growth_mib <= args.rss_bound_mib or bool(report.restarts),
             f"RSS grew {report.rss_second_half_growth_mib} MiB over the second half (> {args.rss_bound_mib})",
         ),
         (report.server_exit in (None, 0), f"the server exited {report.server_exit} on SIGTERM"),
         (not args.kill_every or bool(report.kills), f"no process matched --kill-match {args.kill_match!r}"),
+        (not report.outlived, f"processes outlived their killed parent: {report.outlived}"),
+        (not report.hangs, f"hangs: {report.hangs}"),
+        (
+            report.casualties <= 2 * args.concurrency * len(report.kills),
+            f"{report.casualties} requests failed for {len(report.kills)} kills (> 2 x concurrency each)",
+        ),
     ]
-    for stat in ("p50", "p90"):
+    for stat in ("p50", "p90") if not report.restarts else ():  # restarts leave fewer units for a while
         values = [q[stat] for q in report.latency_quarters[1:] if q["n"] > 1]
         if values and min(values) > 0:
             ratio = max(values) / min(values)
@@ -181,21 +234,26 @@ def judge(report: SoakReport, outcomes: list[Outcome], args: argparse.Namespace)
 
 def run_soak(args: argparse.Namespace) -> int:
     report = SoakReport()
-    process = None
-    url, pid = args.base_url, args.server_pid
+    deployment = None
+    url = args.base_url
     outcomes: list[Outcome] = []
-    if url is None:
-        url = f"http://127.0.0.1:{(port := free_port())}"
-        process = launch(args, port)
-        pid = process.pid
     try:
-        wait_healthy(url, process)
+        if url is None:
+            deployment = Deployment.build(args)
+            url = deployment.front_url
+            deployment.start()
+        else:
+            wait_healthy(url)
         start = time.perf_counter()
-        outcomes = asyncio.run(drive(args, url, pid, report))
+        outcomes = asyncio.run(drive(args, url, deployment, report))
         report.duration_s = round(time.perf_counter() - start, 1)
     finally:
-        if process is not None:
-            report.server_exit = stop(process)
+        if deployment is not None:
+            codes = deployment.stop()
+            report.server_exit = next((c for c in codes.values() if c != 0), 0)
+            report.exits = codes
+            report.restarts = {u.name: u.exits for u in deployment.units if u.exits}
+            report.hangs = deployment.hangs
     judge(report, outcomes, args)
     out = asdict(report) | {"passed": report.passed, "command": " ".join(sys.argv)}
     print(json.dumps({k: v for k, v in out.items() if k != "rss_mib"}, indent=2))
@@ -225,3 +283,4 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-every", type=int, default=0, help="chaos: SIGKILL a worker every N requests")
     p.add_argument("--kill-match", default="", help="chaos: workers are descendants whose cmdline has this")
     p.add_argument("--result-json", default=None)
+    add_deployment_args(p)

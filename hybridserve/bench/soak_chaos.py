@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,15 +32,42 @@ class Chaos:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     kills: list[tuple[int, int]] = field(default_factory=list)  # (requests done, pid killed)
 
-    def workers(self, server_pid: int) -> list[int]:
-        return [p for p in descendants(server_pid) if self.match in command_line(p)]
+    watched: list[int] = field(default_factory=list)  # children of the killed: they must not outlive them
 
-    def after(self, done: int, server_pid: int | None) -> None:
-        """Called after each finished request: kill one worker when ``done`` is a multiple of ``every``."""
-        if not self.every or server_pid is None or done % self.every:
+    def after(self, done: int, processes: list[int]) -> None:
+        """Called after each finished request: when ``done`` is a multiple of ``every``, SIGKILL one of
+        ``processes`` whose command line has ``match``."""
+        if not self.every or done % self.every:
             return
-        workers = self.workers(server_pid)
+        workers = [p for p in processes if self.match in command_line(p)]
         if workers:
             victim = self.rng.choice(workers)
+            self.watched.extend(descendants(victim))  # before the kill: then they are re-parented
             os.kill(victim, signal.SIGKILL)
             self.kills.append((done, victim))
+
+    def outlived(self, grace_s: float = 30.0) -> list[int]:
+        """Children of killed processes still running after ``grace_s`` (zombies do not count)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = [p for p in self.watched if _running(p)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+
+def casualty(status: int, problem: str) -> bool:
+    """A request that failed because a process serving it was killed: cut off (no status, or a stream
+    without ``[DONE]``), a router's ``worker_failed`` 502 / error event, a server's ``engine_failed``
+    error event (its engine core died: it exits, by design), or a 5xx of a server going down."""
+    cut = status == 0 or "without [DONE]" in problem
+    named = "worker_failed" in problem or "engine_failed" in problem
+    return bool(problem) and (cut or named or status in (500, 502, 503))
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

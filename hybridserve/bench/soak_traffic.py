@@ -177,7 +177,10 @@ async def abort(t: Traffic, rng: random.Random) -> tuple[int, str]:
         lines = r.aiter_lines()
         async for line in lines:
             if line.startswith("data: {"):
-                request_id = json.loads(line[6:])["id"]
+                first = json.loads(line[6:])
+                if "error" in first:  # the stream failed before it started (a worker died under chaos)
+                    return 200, f"error event: {first['error']}"
+                request_id = first["id"]
                 break
         else:
             return 200, "stream ended before its first event"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hybridserve.cache.arena_plan import ArenaPlan, GroupLayout, choose_layouts
 from hybridserve.cache.spec import CacheGroupSpec, GroupKind
@@ -125,6 +126,32 @@ class CachePlan:
             fit = self.requests_that_fit(request_tokens)
             lines.append(f"requests of {request_tokens:,} tokens that fit at once: {fit}")
         return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain data (``hybridserve plan --json``): exact bytes and blocks per group."""
+        groups = [
+            {
+                "name": g.spec.name,
+                "kind": g.spec.kind.value,
+                "draft": g.spec.draft,
+                "stride": g.spec.stride,
+                "window_tokens": g.spec.window_tokens if g.spec.kind is GroupKind.WINDOW else None,
+                "layers": len(g.spec.layers),
+                "bytes_per_token": g.spec.bytes_per_token,
+                "rows_per_block": g.rows_per_block,
+                "blocks": g.usable_blocks,
+                "block_bytes": g.block_bytes,
+                "bytes": g.total_bytes,
+            }
+            for g in self.groups
+        ]
+        return {
+            "block_tokens": self.block_tokens,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "total_bytes": self.total_bytes,
+            "max_request_tokens": self.max_request_tokens(),
+            "groups": groups,
+        }
 
     def requests_that_fit(self, tokens: int) -> int:
         """How many requests of ``tokens`` tokens (decoding at the end) fit at once."""

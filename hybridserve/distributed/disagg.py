@@ -94,6 +94,7 @@ class PullReply(msgspec.Struct, tag="pulled"):
     handle: str
     ok: bool
     message: str = ""
+    reconnect: bool = False  # the pair's transport broke: pull again over a new connection
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -217,13 +218,19 @@ class KvSender(_HandoffEnd):
         held = self.held.pop(message.handle, None)
         group = self.groups.get(identity)
         if held is None or group is None:
+            if held is not None:  # its puller cannot receive it, and no other worker will ask for it
+                self.coordinator.release(message.handle)
+                self.stats.events += 1
             why = (
                 "it is unknown, expired or aborted"
                 if group is not None
                 else "the decode worker is not connected"
             )
             return PullReply(
-                message.handle, False, f"the prefill worker has no blocks for {message.handle}: {why}"
+                message.handle,
+                False,
+                f"the prefill worker has no blocks for {message.handle}: {why}",
+                reconnect=group is None,
             )
         if held.num_tokens != message.num_tokens:
             self.coordinator.release(message.handle)
@@ -235,7 +242,13 @@ class KvSender(_HandoffEnd):
         buffer = pack(self.coordinator.pools, self.coordinator.block_tables(message.handle), held.num_tokens)
         self.coordinator.release(message.handle)  # the buffer owns a copy; cached blocks stay evictable
         self.stats.events += 1
-        transfer = post_send(group, buffer, DECODE_RANK, message.tag)
+        try:
+            transfer = post_send(group, buffer, DECODE_RANK, message.tag)
+        except RuntimeError as exc:  # the pair broke (its decode worker died): fail this pull, not the engine
+            self.groups.pop(identity, None)
+            self.stats.failed += 1
+            log.warning("sending %s failed: %s", message.handle, exc)
+            return PullReply(message.handle, False, f"sending {message.handle} failed: {exc}", reconnect=True)
         self.sending.append(_Send(message.handle, transfer, time.monotonic(), held.num_tokens))
         return PullReply(message.handle, True)
 
@@ -286,6 +299,9 @@ class KvReceiver(_HandoffEnd):
         self.peers: dict[str, _Peer] = {}
         self.imports: dict[str, _Import] = {}
         self._orphans: list[Transfer] = []  # receives of cancelled imports, kept alive until they end
+        # Cancelled before their pull was answered: the send still comes, and must meet a receive (an
+        # unmatched send times out and closes the pair, failing every later pull over it).
+        self._unanswered: dict[tuple[str, str], _Import] = {}
         self._tags = 0
 
     @property
@@ -307,6 +323,8 @@ class KvReceiver(_HandoffEnd):
         imp = self.imports.pop(request_id, None)
         if imp is not None and imp.transfer is not None:
             self._orphans.append(imp.transfer)
+        elif imp is not None:
+            self._unanswered[(imp.peer, imp.handoff.handle)] = imp
         return imp is not None
 
     def poll(self) -> list[tuple[str, str | None]]:
@@ -345,6 +363,13 @@ class KvReceiver(_HandoffEnd):
                 ),
                 None,
             )
+            if isinstance(reply, PullReply) and reply.reconnect:  # the pair broke (even if its import
+                # was cancelled): fail what waits on it; the next pull connects again
+                waiting = [r for r, i in self.imports.items() if i.peer == address]
+                self._drop(address)
+                return ended + [(r, self._fail(r, reply.message)) for r in waiting]
+            if request_id is None and isinstance(reply, PullReply):
+                self._drain(address, peer, reply)
             if request_id is None or not isinstance(reply, PullReply):
                 continue
             imp = self.imports[request_id]
@@ -377,7 +402,15 @@ class KvReceiver(_HandoffEnd):
         self._drop(imp.peer)
         return f"the KV handoff from the prefill worker at {imp.peer} failed: {why}"
 
+    def _drain(self, address: str, peer: _Peer, reply: PullReply) -> None:
+        """Receive (and discard) the blocks of a cancelled import whose pull the prefill worker granted."""
+        imp = self._unanswered.pop((address, reply.handle), None)
+        if imp is not None and reply.ok:
+            n, plan = imp.handoff.num_tokens, self.coordinator.plan
+            self._orphans.append(post_recv(peer.group, plan, n, PREFILL_RANK, imp.tag, self.device))
+
     def _drop(self, address: str) -> None:
+        self._unanswered = {k: v for k, v in self._unanswered.items() if k[0] != address}
         peer = self.peers.pop(address, None)
         if peer is None:
             return

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCoreOutput, EngineSnapshot
+from hybridserve.engine.core import EngineCoreOutput
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.engine.dp_client import DPEngineCoreClient
 from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
@@ -32,6 +32,7 @@ from hybridserve.engine.messages import (
 )
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Request, RequestOutput
+from hybridserve.engine.stats import EngineSnapshot
 from hybridserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("hybridserve.engine")

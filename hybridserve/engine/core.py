@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.cache.spec import CacheGroupSpec
-from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
-from hybridserve.distributed.disagg import HandoffStats, KvHandoff
+from hybridserve.config import EngineConfig
+from hybridserve.distributed.disagg import KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.distributed.kv_transfer_group import PlanFingerprint
+from hybridserve.engine.cache_plan import plan_cache
 from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
@@ -29,8 +28,8 @@ from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.structured import StructuredOutputs
-from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.models.loader import load_model, read_config
 
@@ -53,60 +52,6 @@ class EngineCoreOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
-@dataclass
-class EngineStats:
-    generation_tokens: int = 0
-    steps: int = 0
-    failed_steps: int = 0
-    consecutive_failures: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class PoolUsage:
-    used: int
-    total: int
-    cached: int
-    evicted: int = 0
-    pages: int = 0  # arena pages this group holds (its share of the arena; 0 with fixed pools)
-
-
-@dataclass
-class ArenaUsage:
-    """The cache arena every group draws pages from (--cache-layout arena)."""
-
-    page_bytes: int
-    pages_total: int  # pages groups may take (the null page excluded)
-    pages_free: int  # held by no group
-    pages_parked: int  # held only for cached prefixes: reclaimable by any group
-    pages_reclaimed: int  # parked pages taken back, their cached blocks forgotten
-
-
-@dataclass
-class EngineSnapshot:
-    """What the engine's metrics read, taken between steps (it crosses the process boundary)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    pools: dict[str, PoolUsage] = field(default_factory=dict)
-    arena: ArenaUsage | None = None
-    prompt_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_preemptions: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    failed_steps: int = 0
-    dp_rank: int = 0
-    expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
-    collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)
-    handoff: HandoffStats | None = None  # disaggregated workers: KV blocks sent or received
-    # Speculative decoding (vLLM's spec_decode counters); accepted_per_pos[i]: draft i accepted.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -124,7 +69,7 @@ class EngineCore:
             shard=shard,
         )
         self.parallel_experts = parallel_experts(self.model)  # found once: snapshots read them every step
-        self.plan = self._build_plan()
+        self.plan = plan_cache(config, self.model, self.device)
         self.plan.check_usable()
         self.pools = BlockPoolSet(self.plan, self.device)
         self.coordinator = KvCacheCoordinator(
@@ -213,24 +158,6 @@ class EngineCore:
     def _cache_salt(self) -> bytes:
         """Prefix hashes name the cache dtype: blocks of one representation never match another's."""
         return f"kv:{self.config.kv_cache_dtype}:{self.dtype}".encode()
-
-    def _build_plan(self) -> CachePlan:
-        if self.config.kv_cache_dtype == "fp8" and (why := fp8_supported(self.device)) is not None:
-            raise ValueError(
-                f"--kv-cache-dtype fp8: {self.device} cannot store float8_e4m3fn tensors ({why}); serve "
-                "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
-                "per token)"
-            )
-        spec = self.config.speculative
-        if spec is not None and not self.model.mtp:
-            raise ValueError(
-                f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
-                f"{self.config.model} has none; serve it without --speculative-config"
-            )
-        specs = self.model.cache_specs(
-            include_mtp=spec is not None, kv_cache_dtype=self.config.kv_cache_dtype
-        )
-        return build_cache_plan(self.config, specs)
 
     @property
     def max_request_tokens(self) -> int:
@@ -502,14 +429,14 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         held = self.pools.pages_held
-        pools = {
+        kv_blocks = {
             n: PoolUsage(p.num_used, p.plan.usable_blocks, p.num_cached, p.num_evicted, held(n))
             for n, p in self.pools.pools.items()
         }
         return EngineSnapshot(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
-            pools=pools,
+            kv_blocks=kv_blocks,
             arena=self._arena_usage(),
             prompt_tokens=s.prompt_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
@@ -548,29 +475,6 @@ class EngineCore:
             "spec_num_accepted_tokens": st.num_accepted_tokens,
             "spec_accepted_per_pos": list(st.accepted_per_pos),
         }
-
-
-def build_cache_plan(config: EngineConfig, specs: list[CacheGroupSpec]) -> CachePlan:
-    """The cache plan for ``specs`` under ``config``: what the engine serves with, and `hybridserve plan`
-    prints."""
-    share = config.window_cache_share if config.enable_prefix_caching else 0.0
-    layout = config.resolved_cache_layout
-    if layout == "arena" and config.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
-        log.warning(
-            "--window-cache-share %s is ignored with --cache-layout arena (cache groups take pages as they "
-            "need them); pass --cache-layout fixed for a fixed split",
-            config.window_cache_share,
-        )
-    return build_plan(
-        specs,
-        config.resolve_block_tokens([s.stride for s in specs]),
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        memory_bytes=config.kv_cache_bytes,
-        num_blocks=config.num_blocks,
-        window_cache_share=share,
-        layout=layout,
-    )
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -42,8 +42,8 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.models.attention_meta import AttentionMeta, CompressedMeta, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
-from hybridserve.models.deepseek_v4_meta import AttentionMeta, CompressedMeta, visible_rows
 
 log = logging.getLogger(__name__)
 

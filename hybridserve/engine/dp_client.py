@@ -29,7 +29,6 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import ArenaUsage, EngineSnapshot, PoolUsage
 from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
 from hybridserve.engine.dp_router import RankRouter
 from hybridserve.engine.errors import EngineDeadError
@@ -47,6 +46,7 @@ from hybridserve.engine.messages import (
     decode_output,
     encode,
 )
+from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, PoolUsage
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -284,12 +284,13 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             "failed_steps",
         ):
             setattr(merged, name, getattr(merged, name) + getattr(s, name))
-        for group, pool in s.pools.items():
-            total = merged.pools.setdefault(group, PoolUsage(0, 0, 0))
-            total.used, total.total, total.cached = (
+        for group, pool in s.kv_blocks.items():
+            total = merged.kv_blocks.setdefault(group, PoolUsage(0, 0, 0))
+            total.used, total.total, total.cached, total.evicted = (
                 total.used + pool.used,
                 total.total + pool.total,
                 total.cached + pool.cached,
+                total.evicted + pool.evicted,
             )
             total.pages += pool.pages
         merged.arena = _merge_arenas(merged.arena, s.arena)

@@ -15,10 +15,11 @@ import torch.distributed as dist
 import zmq
 
 from hybridserve.distributed.step_sync import StepSync
-from hybridserve.engine.core import EngineCore, EngineSnapshot
+from hybridserve.engine.core import EngineCore
 from hybridserve.engine.core_proc import _PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input
+from hybridserve.engine.stats import EngineSnapshot
 
 log = logging.getLogger("hybridserve.engine")
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import msgspec
 
-from hybridserve.engine.core import EngineCoreOutput, EngineSnapshot
+from hybridserve.engine.core import EngineCoreOutput
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.request import FinishReason, RemotePrefill, SamplingParams
+from hybridserve.engine.stats import EngineSnapshot
 
 
 # ---- API process -> core -------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import (
@@ -29,7 +28,7 @@ from hybridserve.engine.sampler import (
     _penalises,
     _results,
 )
-from hybridserve.engine.structured import unpack_bitmask
+from hybridserve.engine.structured import unpack_bitmask, xgr  # xgrammar on first use
 
 
 @dataclass

@@ -31,8 +31,8 @@ from hybridserve.engine.sampler import Sampler
 from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.models.attention_meta import MTP_KV
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
-from hybridserve.models.deepseek_v4_meta import MTP_KV
 
 
 @dataclass

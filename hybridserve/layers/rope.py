@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.models.deepseek_v4_config import RopeConfig
+from hybridserve.layers.rope_config import RopeConfig
 
 _MIN_TABLE = 1024
 

@@ -2,7 +2,7 @@
 
 Module and parameter names follow the on-disk DeepSeek layout (``layers.L.attn.wq_a``, ...), so
 loading is a rename of a few top-level tensors. Attention writes new rows only through slot
-mappings and reads only through block tables (see ``deepseek_v4_meta``). Reference semantics:
+mappings and reads only through block tables (see ``models/attention_meta.py``). Reference semantics:
 transformers 5.23 ``DeepseekV4ForCausalLM``, including its dtype rules.
 """
 
@@ -23,8 +23,7 @@ from hybridserve.layers.moe import MoE
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
 from hybridserve.layers.quantized_linear import dense_weight
 from hybridserve.layers.rope import Rotary, apply_rope
-from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from hybridserve.models.deepseek_v4_meta import (
+from hybridserve.models.attention_meta import (
     CSA_ROWS,
     CSA_STATE,
     HCA_ROWS,
@@ -35,6 +34,7 @@ from hybridserve.models.deepseek_v4_meta import (
     CompressedMeta,
     build_meta,
 )
+from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
 CacheTensors = dict[tuple[str, str, str], torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor]

@@ -7,58 +7,16 @@ official DeepSeek layout (``compress_ratios``, ``num_hash_layers``, ``rope_scali
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridserve.layers.rope_config import RopeConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """One rope set: ``main`` (sliding layers) or ``compress`` (CSA/HCA layers and compressors)."""
-
-    theta: float
-    rope_dim: int
-    rope_type: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-    truncate: bool = True
-
-    def inv_freq(self) -> tuple[list[float], float]:
-        """Inverse frequencies (one per rotated pair) and the cos/sin scale."""
-        import torch
-
-        dim = self.rope_dim
-        pos_freqs = self.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-        if self.rope_type != "yarn":
-            return (1.0 / pos_freqs).tolist(), 1.0
-        extrapolation = 1.0 / pos_freqs
-        interpolation = 1.0 / (self.factor * pos_freqs)
-        low, high = self._correction_range()
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        keep = 1 - ramp
-        inv = interpolation * (1 - keep) + extrapolation * keep
-        return inv.tolist(), self.attention_factor
-
-    def _correction_range(self) -> tuple[float, float]:
-        def dim_for(rotations: float) -> float:
-            ratio = self.original_max_position_embeddings / (rotations * 2 * math.pi)
-            return (self.rope_dim * math.log(ratio)) / (2 * math.log(self.theta))
-
-        low, high = dim_for(self.beta_fast), dim_for(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        return max(low, 0), min(high, self.rope_dim - 1)
 
 
 @dataclass(frozen=True)
@@ -206,41 +164,6 @@ def _rope_sets(cfg: dict[str, Any], head_dim: int) -> dict[str, RopeConfig]:
             compress.setdefault("attention_factor", 1.0)
     max_pos = int(cfg.get("max_position_embeddings", 1 << 20))
     return {
-        "main": _rope(main, head_dim, float(prf), max_pos, truncate),
-        "compress": _rope(compress, head_dim, float(prf), max_pos, truncate),
+        "main": RopeConfig.from_params(main, head_dim, float(prf), max_pos, truncate),
+        "compress": RopeConfig.from_params(compress, head_dim, float(prf), max_pos, truncate),
     }
-
-
-def _rope(p: dict[str, Any], head_dim: int, prf: float, max_pos: int, truncate: bool) -> RopeConfig:
-    rope_type = str(p.get("rope_type", p.get("type", "default")))
-    rope_dim = int(head_dim * float(p.get("partial_rotary_factor", prf)))
-    if rope_type not in ("default", "yarn"):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, yarn)")
-    if rope_type == "default":
-        return RopeConfig(theta=float(p["rope_theta"]), rope_dim=rope_dim)
-    factor = p.get("factor")
-    original = int(p.get("original_max_position_embeddings") or max_pos)
-    factor = float(factor) if factor is not None else max_pos / original
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = _yarn_mscale(factor, p.get("mscale"), p.get("mscale_all_dim"))
-    return RopeConfig(
-        theta=float(p["rope_theta"]),
-        rope_dim=rope_dim,
-        rope_type="yarn",
-        factor=factor,
-        original_max_position_embeddings=original,
-        beta_fast=float(p.get("beta_fast") or 32),
-        beta_slow=float(p.get("beta_slow") or 1),
-        attention_factor=float(attention_factor),
-        truncate=truncate,
-    )
-
-
-def _yarn_mscale(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
-    def get(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if mscale and mscale_all_dim:
-        return get(factor, mscale) / get(factor, mscale_all_dim)
-    return get(factor)

@@ -8,10 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hybridserve.distributed.disagg import HandoffStats
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
-from hybridserve.engine.core import EngineSnapshot
 from hybridserve.engine.request import RequestOutput
+from hybridserve.engine.stats import EngineSnapshot, HandoffStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -35,7 +34,7 @@ class _EngineCollector(Collector):
         evicted = CounterMetricFamily(
             "hybridserve_kv_blocks_evicted", "cached blocks evicted for reuse", labels=["group"]
         )
-        for name, pool in stats.pools.items():
+        for name, pool in stats.kv_blocks.items():
             used.add_metric([name], pool.used)
             total.add_metric([name], pool.total)
             cached.add_metric([name], pool.cached)
@@ -81,7 +80,7 @@ def _arena_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     held = GaugeMetricFamily(
         "hybridserve_kv_arena_pages_held", "cache arena pages a group holds", labels=["group"]
     )
-    for name, pool in stats.pools.items():
+    for name, pool in stats.kv_blocks.items():
         held.add_metric([name], pool.pages)
     yield held
 
@@ -108,7 +107,7 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
     for rank, s in sorted(ranks.items()):
         running.add_metric([str(rank)], s.num_running)
         waiting.add_metric([str(rank)], s.num_waiting)
-        for name, pool in s.pools.items():
+        for name, pool in s.kv_blocks.items():
             used.add_metric([str(rank), name], pool.used)
             total.add_metric([str(rank), name], pool.total)
         for expert, n in sorted(s.expert_tokens.items()):

@@ -48,7 +48,7 @@ class RouterSettings:
 
 class _RouterCollector(Collector):
     def __init__(self, pools: list[WorkerPool]) -> None:
-        self.pools = pools
+        self.worker_pools = pools
 
     def collect(self) -> list[Metric]:
         up = GaugeMetricFamily(
@@ -57,7 +57,7 @@ class _RouterCollector(Collector):
         busy = GaugeMetricFamily(
             "hybridserve_router_worker_requests_in_flight", "requests in flight", labels=["role", "url"]
         )
-        for pool in self.pools:
+        for pool in self.worker_pools:
             for w in pool.workers:
                 up.add_metric([w.role, w.url], float(w.up))
                 busy.add_metric([w.role, w.url], w.in_flight)
@@ -101,7 +101,10 @@ class Router:
         )
 
     async def generate(self, path: str, raw: HTTPRequest) -> Response:
-        body = await raw.json()
+        try:
+            body = await raw.json()
+        except ValueError as exc:  # bad JSON, or bytes in no encoding JSON allows (UnicodeDecodeError)
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
@@ -242,18 +245,22 @@ class Router:
 
         return _passthrough((await self._with_worker(self.prefill, get))[1])
 
-    async def abort(self, request_id: str, raw: HTTPRequest) -> Response:
-        """Forward an abort to every worker that is up: the id names a request on one of them."""
+    async def _broadcast(self, path: str, raw: HTTPRequest) -> list[httpx.Response]:
+        """POST ``path`` to every worker that is up; -> the answers of those that could be reached."""
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
         workers = [w for pool in (self.decode, self.prefill) for w in pool.workers if w.up]
 
         async def one(worker: Worker) -> httpx.Response | None:
-            url = f"{worker.url}/v1/requests/{request_id}/abort"
             with contextlib.suppress(httpx.HTTPError):
+                url = f"{worker.url}{path}"
                 return await self.client.post(url, headers=headers, timeout=self.settings.health_timeout_s)
             return None
 
-        answers = [r for r in await asyncio.gather(*(one(w) for w in workers)) if r is not None]
+        return [r for r in await asyncio.gather(*(one(w) for w in workers)) if r is not None]
+
+    async def abort(self, request_id: str, raw: HTTPRequest) -> Response:
+        """Forward an abort to every worker that is up: the id names a request on one of them."""
+        answers = await self._broadcast(f"/v1/requests/{request_id}/abort", raw)
         found = next((r for r in answers if r.status_code == 200), None)
         if found is not None:
             return _passthrough(found)
@@ -261,6 +268,16 @@ class Router:
         if refused is not None:
             return _passthrough(refused)
         return error_response(404, f"no running request {request_id!r}", code="request_not_found")
+
+    async def reset_cache(self, raw: HTTPRequest) -> Response:
+        """Reset the prefix cache of every worker that is up (each keeps its own)."""
+        answers = await self._broadcast("/v1/cache/reset", raw)
+        refused = next((r for r in answers if r.status_code != 200), None)
+        if refused is not None:
+            return _passthrough(refused)
+        if not answers:
+            return error_response(503, "no worker is up", code="no_worker_available")
+        return JSONResponse({"reset": True, "workers": len(answers)})
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -325,6 +342,10 @@ def _routes(app: FastAPI, router: Router) -> None:
     @app.post("/v1/requests/{request_id}/abort")
     async def abort(request_id: str, raw: HTTPRequest) -> Response:
         return await router.abort(request_id, raw)
+
+    @app.post("/v1/cache/reset")
+    async def reset_cache(raw: HTTPRequest) -> Response:
+        return await router.reset_cache(raw)
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, _generation(router, path), methods=["POST"])

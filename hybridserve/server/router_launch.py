@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from types import FrameType
 
 import uvicorn
 
@@ -46,5 +47,13 @@ def run_router(args: argparse.Namespace) -> int:
     logging.getLogger("hybridserve.router").info(
         "routing http://%s:%d/v1 to prefill %s, decode %s", args.host, args.port, args.prefill, args.decode
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    _RouterServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
+
+
+class _RouterServer(uvicorn.Server):
+    """Exits 0 on SIGTERM once its requests are done; uvicorn would re-raise the signal (status -15)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()

@@ -73,7 +73,7 @@ def test_expert_parallel_greedy_equals_batch1_reference(forced_checkpoint: Path)
         stats = llm.engine.client.rank_stats  # type: ignore[union-attr]
         assert set(stats) == {0, 1}
         assert sum(s.num_preemptions for s in stats.values()) > 0
-        assert all(p.used == 0 for s in stats.values() for p in s.pools.values())
+        assert all(p.used == 0 for s in stats.values() for p in s.kv_blocks.values())
         experts = {e: n for s in stats.values() for e, n in s.expert_tokens.items()}
         assert set(experts) == {0, 1, 2, 3}
         assert experts[0] == experts[1] == 0 and experts[2] > 0 and experts[3] > 0

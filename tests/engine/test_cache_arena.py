@@ -11,7 +11,8 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.plan import CachePlan, CachePlanError
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore, build_cache_plan
+from hybridserve.engine.cache_plan import build_cache_plan
+from hybridserve.engine.core import EngineCore
 from hybridserve.engine.request import Request
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import DeepseekV4Config
@@ -78,7 +79,7 @@ def test_long_requests_preempt_under_the_fixed_split_but_fit_in_the_arena(
         else:
             assert stats.num_preemptions == 0 and most == N, "the arena was meant to hold them all"
             assert stats.arena is not None and stats.arena.pages_free == stats.arena.pages_total
-            assert all(p.pages == 0 for p in stats.pools.values())
+            assert all(p.pages == 0 for p in stats.kv_blocks.values())
     assert results["fixed"] == results["arena"]
     for prompt, ours in zip(prompts, results["arena"], strict=True):
         if ours != reference_greedy(folder, prompt, NEW):
@@ -94,7 +95,7 @@ def test_arena_stats_show_the_pages_each_group_holds(tiny_checkpoint: Callable[[
     a = stats.arena
     assert a is not None and core.plan.arena is not None
     assert a.page_bytes == core.plan.arena.page_bytes and a.pages_total == core.plan.arena.usable_pages
-    held = {name: p.pages for name, p in stats.pools.items()}
+    held = {name: p.pages for name, p in stats.kv_blocks.items()}
     assert all(n > 0 for n in held.values()) and a.pages_free == a.pages_total - sum(held.values())
     core.abort_request("a")
     assert core.snapshot().arena.pages_free == a.pages_total  # type: ignore[union-attr]

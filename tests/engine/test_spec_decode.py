@@ -217,7 +217,8 @@ def test_generate_and_plan_take_the_speculative_config(
     folder, spec = str(mtp_checkpoint("mixed")), '{"method": "mtp", "num_speculative_tokens": 2}'
     args = ["--model", folder, "--speculative-config", spec, "--kv-cache-memory", KV]
     assert main(["generate", *args, "--max-tokens", "4", "hi"]) == 0
-    assert main(["plan", "--model", folder, "--speculative-config", spec, "--num-blocks", "8"]) == 0
+    usable = ["--num-blocks", "8", "--max-num-batched-tokens", "32"]  # a plan the engine would start with
+    assert main(["plan", "--model", folder, "--speculative-config", spec, *usable]) == 0
     out = capsys.readouterr().out
     assert "[4 tokens" in out and "mtp_kv" in out and "draft groups" in out
     assert main(["generate", "--model", folder, "--speculative-config", '{"method": "ngram"}', "hi"]) == 2

@@ -12,7 +12,7 @@ from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.models.deepseek_v4_meta import MTP_KV
+from hybridserve.models.attention_meta import MTP_KV
 from tests.engine.spec_helpers import mtp
 from tests.tiny_models import VOCAB
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridserve.layers.rope import Rotary, apply_rope
-from hybridserve.models.deepseek_v4_config import RopeConfig
+from hybridserve.layers.rope_config import RopeConfig
 
 CONFIGS = {
     "default": RopeConfig(theta=10000.0, rope_dim=64),

@@ -22,9 +22,7 @@ from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.layers.rope import Rotary
-from hybridserve.models.deepseek_v4 import cache_specs
-from hybridserve.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
-from hybridserve.models.deepseek_v4_meta import (
+from hybridserve.models.attention_meta import (
     CSA_ROWS,
     CSA_STATE,
     HCA_ROWS,
@@ -34,6 +32,8 @@ from hybridserve.models.deepseek_v4_meta import (
     CompressedMeta,
     build_meta,
 )
+from hybridserve.models.deepseek_v4 import cache_specs
+from hybridserve.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from hybridserve.models.loader import read_config
 
 BUNDLED = Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4"

@@ -286,6 +286,30 @@ def test_an_abort_through_the_router_frees_blocks_on_both_sides(
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
+def test_a_cache_reset_through_the_router_resets_every_worker(deployment: Deployment, server: Server) -> None:
+    router = deployment.routers["1x2"]
+    body = {
+        "model": server.model,
+        "prompt": "It is a truth universally acknowledged, that a single",
+        "max_tokens": 2,
+    }
+    assert _post(router.url, "/v1/completions", body).status_code == 200
+    workers = [deployment.prefill[0], *deployment.decode]
+    _wait_idle(workers)
+    assert deployment.prefill[0].metrics()['hybridserve_kv_blocks_cached{group="swa_kv"}'] > 0
+    reset = httpx.post(f"{router.url}/v1/cache/reset", headers=AUTH | {"content-type": "application/json"})
+    assert reset.status_code == 200 and reset.json() == {"reset": True, "workers": 3}, reset.text
+    for w in workers:
+        assert all(v == 0 for k, v in w.metrics().items() if k.startswith("hybridserve_kv_blocks_cached"))
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe not json", b'{"prompt": ', b"[]"])
+def test_a_malformed_body_through_the_router_is_a_400(deployment: Deployment, content: bytes) -> None:
+    url = f"{deployment.routers['1x1'].url}/v1/completions"
+    r = httpx.post(url, content=content, headers=AUTH | {"content-type": "application/json"}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_a_prefill_worker_dying_mid_transfer_frees_the_decode_blocks(
     deployment: Deployment, server: Server
 ) -> None:
@@ -379,3 +403,4 @@ def test_a_decode_worker_killed_mid_stream(deployment: Deployment, server: Serve
         _same(router, server, "/v1/completions", done)
     _wait_idle([deployment.prefill[0], *[d for d in deployment.decode if d is not victim]])
     assert victim.process.wait(timeout=10) != 0
+

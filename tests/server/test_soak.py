@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridserve.bench.server_process import descendants
 from hybridserve.bench.soak import run_soak
-from hybridserve.bench.soak_chaos import Chaos
+from hybridserve.bench.soak_chaos import Chaos, casualty, command_line
 from hybridserve.cli import build_parser
 
 
@@ -53,14 +54,25 @@ def test_chaos_kills_one_matching_worker_every_n_requests() -> None:
     try:
         chaos = Chaos(every=3, match="sleep")
         deadline = time.monotonic() + 30
-        while len(chaos.workers(parent.pid)) < 2:
+        while len(workers := [p for p in descendants(parent.pid) if "sleep" in command_line(p)]) < 2:
             assert time.monotonic() < deadline, "the workers did not start"
             time.sleep(0.05)
-        workers = chaos.workers(parent.pid)
         for done in (1, 2, 3, 4, 5):
-            chaos.after(done, parent.pid)
+            chaos.after(done, [parent.pid, *descendants(parent.pid)])
         assert [done for done, _ in chaos.kills] == [3] and chaos.kills[0][1] in workers
-        assert parent.poll() is None  # only the worker, never the server itself
+        assert parent.poll() is None  # only a matching process, never the server itself
+        assert chaos.outlived(grace_s=0) == []  # a sleep has no children
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(timeout=30)
+
+
+def test_what_counts_as_a_casualty_of_a_kill() -> None:
+    assert casualty(0, "RemoteProtocolError: Server disconnected")
+    assert casualty(200, "stream ended without [DONE]")
+    assert casualty(200, "error event: {'code': 'worker_failed'}")
+    assert casualty(502, "status 502: worker_failed")
+    assert casualty(200, "error event: {'code': 'engine_failed'}")
+    assert not casualty(200, "")  # a right answer
+    assert not casualty(200, "stop string left in the text")  # a wrong answer stays wrong
+    assert not casualty(400, "status 400 without an OpenAI-style JSON error")

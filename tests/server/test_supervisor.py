@@ -49,7 +49,7 @@ def _engine(client: TestClient) -> AsyncLLM:
 
 def _wait_all_free(llm: AsyncLLM) -> None:
     deadline = time.monotonic() + 10
-    while llm.num_unfinished or llm.stats.num_running or any(p.used for p in llm.stats.pools.values()):
+    while llm.num_unfinished or llm.stats.num_running or any(p.used for p in llm.stats.kv_blocks.values()):
         assert time.monotonic() < deadline, "blocks leaked after a failed step"
         time.sleep(0.01)
 

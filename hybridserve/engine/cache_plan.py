@@ -1,0 +1,63 @@
+"""The engine's cache plan for a model: the one place that turns the engine's flags into a CachePlan.
+
+EngineCore and ``hybridserve plan`` both call ``plan_cache``, so what the plan command prints is what
+an engine started with the same flags allocates (every data-parallel rank builds the same plan).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridserve.cache.plan import CachePlan, build_plan
+from hybridserve.cache.spec import CacheGroupSpec
+from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
+from hybridserve.layers.fp8_rows import fp8_supported
+from hybridserve.models.deepseek_v4 import DeepseekV4Model
+
+log = logging.getLogger("hybridserve.engine")
+
+
+def plan_cache(config: EngineConfig, model: DeepseekV4Model, device: torch.device | None) -> CachePlan:
+    """Size every cache group of ``model`` (loaded, or built on the meta device) from ``config``.
+
+    ``device``: where the pools will live, checked for FP8 storage (None: not checked).
+    """
+    if config.kv_cache_dtype == "fp8" and device is not None and (why := fp8_supported(device)) is not None:
+        raise ValueError(
+            f"--kv-cache-dtype fp8: {device} cannot store float8_e4m3fn tensors ({why}); serve "
+            "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
+            "per token)"
+        )
+    spec = config.speculative
+    if spec is not None and not model.mtp:
+        raise ValueError(
+            f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
+            f"{config.model} has none; serve it without --speculative-config"
+        )
+    specs = model.cache_specs(include_mtp=spec is not None, kv_cache_dtype=config.kv_cache_dtype)
+    return build_cache_plan(config, specs)
+
+
+def build_cache_plan(config: EngineConfig, specs: list[CacheGroupSpec]) -> CachePlan:
+    """The cache plan for ``specs`` under ``config``: what the engine serves with, and `hybridserve plan`
+    prints."""
+    share = config.window_cache_share if config.enable_prefix_caching else 0.0
+    layout = config.resolved_cache_layout
+    if layout == "arena" and config.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
+        log.warning(
+            "--window-cache-share %s is ignored with --cache-layout arena (cache groups take pages as they "
+            "need them); pass --cache-layout fixed for a fixed split",
+            config.window_cache_share,
+        )
+    return build_plan(
+        specs,
+        config.resolve_block_tokens([s.stride for s in specs]),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        memory_bytes=config.kv_cache_bytes,
+        num_blocks=config.num_blocks,
+        window_cache_share=share,
+        layout=layout,
+    )

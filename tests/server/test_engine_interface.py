@@ -1,0 +1,53 @@
+"""The server reads engine state through the engine's snapshot (engine/stats.py), never its internals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.source_imports import attribute_reads, imported_modules, source_files, within
+
+# What the API process may use of the engine: its front (AsyncLLM), requests, errors and stats.
+ENGINE_INTERFACE = ("async_llm", "request", "errors", "stats", "structured", "limits")
+ENGINE_INTERNALS = ("scheduler", "pools", "coordinator", "runner", "sampler", "core")
+BELOW_THE_ENGINE = ("hybridserve.cache", "hybridserve.models", "hybridserve.layers")
+
+
+@pytest.mark.parametrize("path", source_files("server"), ids=lambda p: p.name)
+def test_server_never_touches_engine_internals(path):
+    reads = [(line, a) for line, a in attribute_reads(path) if a in ENGINE_INTERNALS]
+    assert not reads, f"{path.name} reads engine internals: {reads}"
+
+
+@pytest.mark.parametrize("path", source_files("server"), ids=lambda p: p.name)
+def test_server_imports_only_the_engines_interface(path):
+    engine = [
+        (line, m)
+        for line, m in imported_modules(path)
+        if within(m, "hybridserve.engine") and m.split(".")[2] not in ENGINE_INTERFACE
+    ]
+    below = [(line, m) for line, m in imported_modules(path) if any(within(m, b) for b in BELOW_THE_ENGINE)]
+    assert not engine and not below, f"{path.name} imports engine internals: {engine + below}"
+
+
+def test_snapshot_is_all_the_metrics_read():
+    """/metrics gets every KV-block number from the snapshot the engine-core process sends."""
+    from hybridserve.engine.stats import EngineSnapshot, PoolUsage
+    from hybridserve.server.metrics import ServerMetrics
+
+    stats = EngineSnapshot(num_running=1, kv_blocks={"swa_kv": PoolUsage(3, 10, 2, 5)})
+    # What metrics read of AsyncLLM: its latest snapshot, per-rank snapshots, waiting count, on_finish.
+    front = SimpleNamespace(stats=stats, rank_stats={0: stats}, num_waiting=4, on_finish=[])
+    metrics = ServerMetrics()
+    metrics.attach(front)  # type: ignore[arg-type]
+    text = metrics.render().decode()
+    for line in (
+        'hybridserve_kv_blocks_used{group="swa_kv"} 3.0',
+        'hybridserve_kv_blocks_total{group="swa_kv"} 10.0',
+        'hybridserve_kv_blocks_cached{group="swa_kv"} 2.0',
+        'hybridserve_kv_blocks_evicted_total{group="swa_kv"} 5.0',
+        "hybridserve_num_requests_running 1.0",
+        "hybridserve_num_requests_waiting 4.0",
+    ):
+        assert line in text
