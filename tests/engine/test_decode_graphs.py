@@ -206,3 +206,16 @@ def test_compile_decode_takes_the_fixed_layout() -> None:
     assert EngineConfig().resolved_cache_layout == "arena"
     with pytest.raises(ValueError, match="--compile-decode needs --cache-layout fixed"):
         EngineConfig(compile_decode=True, cache_layout="arena")
+
+
+def test_warmup_runs_dummy_steps_only(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """Start-up warm-up: batch 1 and 2 of dummies only; nothing allocated, the null blocks zero again."""
+    model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
+    plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=32)
+    pools = BlockPoolSet(plan, "cpu")
+    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    runner = DecodeGraphRunner(model, pools, coord, torch.device("cpu"), 8, MAX_LEN)
+    assert runner.warmup() >= 0
+    assert sorted(key[0] for key in runner.entries) == [1, 2]
+    assert all(entry.ran for entry in runner.entries.values())
+    assert _null_rows_zero(pools) and pools.all_free()
