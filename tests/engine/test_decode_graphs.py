@@ -38,6 +38,13 @@ def _null_rows_zero(pools: BlockPoolSet) -> bool:
     return True
 
 
+def _cache(model: DeepseekV4Model, num_blocks: int) -> tuple[BlockPoolSet, KvCacheCoordinator]:
+    """Fixed pools of ``num_blocks`` blocks per group (8-token blocks), their coordinator, no prefix cache."""
+    plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=num_blocks)
+    pools = BlockPoolSet(plan, "cpu")
+    return pools, KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+
+
 def _run(
     model: DeepseekV4Model,
     prompts: tuple[int, ...],
@@ -46,9 +53,7 @@ def _run(
     compiled: bool = False,
 ) -> tuple[list[torch.Tensor], BlockPoolSet]:
     """Chunked prefill on the plain path, then greedy decode on the plain or the bucketed path."""
-    plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=128)
-    pools = BlockPoolSet(plan, "cpu")
-    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    pools, coord = _cache(model, 128)
     sizes = list(range(1, 9)) if exact else None
     runner = DecodeGraphRunner(
         model,
@@ -119,9 +124,7 @@ def test_bucketed_decode_matches_eager(
 def test_padded_batch_dummies(tiny_checkpoint: Callable[[str], Path]) -> None:
     """Dummies: position 0, all-null tables; their writes are undone; static buffers are reused."""
     model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
-    plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=64)
-    pools = BlockPoolSet(plan, "cpu")
-    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    pools, coord = _cache(model, 64)
     runner = DecodeGraphRunner(model, pools, coord, torch.device("cpu"), 8, MAX_LEN)
     reqs = [Request(f"r{i}", list(range(3, 3 + n)), SamplingParams()) for i, n in enumerate((10, 20, 5))]
     for r in reqs:
@@ -211,9 +214,7 @@ def test_compile_decode_takes_the_fixed_layout() -> None:
 def test_warmup_runs_dummy_steps_only(tiny_checkpoint: Callable[[str], Path]) -> None:
     """Start-up warm-up: batch 1 and 2 of dummies only; nothing allocated, the null blocks zero again."""
     model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
-    plan = build_plan(model.cache_specs(), 8, 8, 512, num_blocks=32)
-    pools = BlockPoolSet(plan, "cpu")
-    coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
+    pools, coord = _cache(model, 32)
     runner = DecodeGraphRunner(model, pools, coord, torch.device("cpu"), 8, MAX_LEN)
     assert runner.warmup() >= 0
     assert sorted(key[0] for key in runner.entries) == [1, 2]
