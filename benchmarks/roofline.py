@@ -73,6 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mm-sizes", default="256,512,1024,2048", help="square torch.mm sizes")
     p.add_argument("--bound-bandwidth", choices=["copy", "read"], default="copy")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
+    p.add_argument(
+        "--results",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="measured runs to hold against the bound: run_peers.py summary.json or bench-serve result files",
+    )
+    p.add_argument(
+        "--engines", default="hybridserve,hybridserve-compiled", help="engines taken from --results"
+    )
     return p.parse_args(argv)
 
 
@@ -275,6 +285,71 @@ def bounds(
     return rows
 
 
+# --------------------------------------------------------------------------- measured runs
+
+
+def measured_levels(paths: list[Path], engines: set[str]) -> list[dict[str, Any]]:
+    """Every measured level of ``engines`` in run_peers summaries or bench-serve result lists."""
+    levels = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        runs = data["results"] if isinstance(data, dict) else [{"engine": None, "levels": data}]
+        for run in runs:
+            for lv in run["levels"]:
+                name = run["engine"] or lv["config"].get("label", path.stem).rsplit("-c", 1)[0]
+                if name in engines:
+                    levels.append({"engine": name, "source": str(path), **lv})
+    return levels
+
+
+def achieved(
+    model: Model, levels: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, flop_rate: float
+) -> list[dict[str, Any]]:
+    """Each level against the bound at its own batch and mean decode context (prompt + half the output).
+
+    *decode tok/s* is concurrency / TPOT p50, the rate of the decode steps the bound describes; *output
+    tok/s* is end to end (prefills and queueing included), so its fraction is a lower figure.
+    """
+    rows = []
+    for lv in levels:
+        cfg = lv["config"]
+        batch, ctx = int(cfg["max_concurrency"]), int(cfg["input_len"]) + int(cfg["output_len"]) // 2
+        profile = decode_profile(model, ctx, args.bytes_per_param, args.kv_bytes)
+        bound = bounds(profile, bandwidth, flop_rate, [batch])[0]
+        decode = batch * 1000.0 / lv["tpot_ms"]["p50"]
+        upper = bound["upper_bound_tok_s"]
+        rows.append(
+            {
+                "engine": lv["engine"],
+                "batch": batch,
+                "context": ctx,
+                "bound_tok_s": upper,
+                "bound_by": bound["bound_by"],
+                "decode_tok_s": decode,
+                "decode_fraction": decode / upper,
+                "output_tok_s": lv["output_throughput"],
+                "output_fraction": lv["output_throughput"] / upper,
+                "source": lv["source"],
+            }
+        )
+    return rows
+
+
+def achieved_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| engine | batch | context | bound (tok/s) | bound by | decode tok/s | fraction | output tok/s "
+        "| fraction |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['engine']} | {r['batch']} | {r['context']} | {r['bound_tok_s']:.0f} | {r['bound_by']} | "
+            f"{r['decode_tok_s']:.1f} | {100 * r['decode_fraction']:.1f}% | {r['output_tok_s']:.1f} | "
+            f"{100 * r['output_fraction']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -287,9 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_fp32": mm,
     }
     if args.checkpoint is not None:
-        profile = decode_profile(
-            read_checkpoint(args.checkpoint), args.context, args.bytes_per_param, args.kv_bytes
-        )
+        model = read_checkpoint(args.checkpoint)
+        profile = decode_profile(model, args.context, args.bytes_per_param, args.kv_bytes)
         bandwidth = (bw["copy_gb_s"] if args.bound_bandwidth == "copy" else bw["read_gb_s"]) * 1e9
         rows = bounds(profile, bandwidth, mm["gflop_s"] * 1e9, [int(b) for b in args.batches.split(",")])
         profile.pop("_expert_bytes")
@@ -297,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         report["bound_bandwidth"] = args.bound_bandwidth
         report["decode"] = profile
         report["bounds"] = rows
+        levels = measured_levels(args.results, set(args.engines.split(",")))
+        report["achieved"] = achieved(model, levels, args, bandwidth, mm["gflop_s"] * 1e9)
     text = json.dumps(report, indent=2)
     print(text)
     if args.checkpoint is not None:
@@ -314,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['distinct_experts_per_layer']} experts/layer read)",
                 file=sys.stderr,
             )
+    if report.get("achieved"):
+        print(achieved_table(report["achieved"]), file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")

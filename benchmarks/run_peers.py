@@ -47,7 +47,7 @@ class Engine:
 
     def fields(self, max_tokens: int) -> dict:
         """Request fields that make every engine return exactly ``max_tokens`` tokens."""
-        if self.name == "hybridserve":
+        if self.name.startswith("hybridserve"):
             return {"ignore_eos": True}
         if self.name == "transformers":  # transformers serve refuses ignore_eos
             return {"generation_config": json.dumps({"min_new_tokens": max_tokens})}
@@ -62,10 +62,11 @@ def _free_port() -> int:
 
 def engine(name: str, checkpoint: Path, port: int, threads: int, caching: bool) -> Engine:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if name == "hybridserve":
+    if name in ("hybridserve", "hybridserve-compiled"):
         cmd = [PY, "-m", "hybridserve.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
         cmd += ["--num-threads", str(threads), "--log-level", "warning", "--max-num-seqs", "64"]
         cmd += [] if caching else ["--no-enable-prefix-caching"]
+        cmd += ["--compile-decode"] if name == "hybridserve-compiled" else []
         return Engine(name, [*cmd, "--max-queue", "1024"], checkpoint.name, env)
     if name == "transformers":
         server = str(ROOT / "benchmarks/peers/transformers_server.py")
@@ -78,7 +79,8 @@ def engine(name: str, checkpoint: Path, port: int, threads: int, caching: bool) 
     raise ValueError(name)
 
 
-def _wait_ready(url: str, model: str, timeout: float = 300) -> None:
+def _wait_ready(url: str, model: str, timeout: float = 1200) -> None:
+    """Until a one-token chat answers 200 (a compiled engine compiles its decode step first)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -148,27 +150,34 @@ def _levels(args: argparse.Namespace) -> list[int]:
     return [int(x) for x in args.concurrency.split(",")]
 
 
-def table(results: list[dict]) -> str:
-    ours = {
-        lv["config"]["max_concurrency"]: lv
+def _throughput_by_level(results: list[dict], name: str) -> dict[int, float]:
+    return {
+        lv["config"]["max_concurrency"]: lv["output_throughput"]
         for r in results
-        if r["engine"] == "hybridserve"
+        if r["engine"] == name
         for lv in r["levels"]
     }
+
+
+def table(results: list[dict]) -> str:
+    """One row per engine and level; the ratio columns divide each hybridserve flavour's tok/s by it."""
+    ours = [n for n in ("hybridserve", "hybridserve-compiled") if any(r["engine"] == n for r in results)]
+    mine = {n: _throughput_by_level(results, n) for n in ours}
     lines = [
-        "| engine | concurrency | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
-        "agreement | hybridserve / engine (tok/s) |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | concurrency | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | agreement | "
+        + " | ".join(f"{n} / engine (tok/s)" for n in ours)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(ours),
     ]
     for r in results:
         for lv in r["levels"]:
             c = lv["config"]["max_concurrency"]
             agree = _agreement_figure(r["agreement"].get(c, {}))
-            ratio = ours[c]["output_throughput"] / lv["output_throughput"] if c in ours else float("nan")
+            ratios = [mine[n].get(c, float("nan")) / lv["output_throughput"] for n in ours]
             lines.append(
                 f"| {r['engine']} | {c} | {lv['output_throughput']:.1f} | {lv['ttft_ms']['p50']:.0f} / "
                 f"{lv['ttft_ms']['p99']:.0f} | {lv['tpot_ms']['p50']:.1f} / {lv['tpot_ms']['p99']:.1f} | "
-                f"{agree} | {ratio:.2f}x |"
+                f"{agree} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
             )
     return "\n".join(lines)
 

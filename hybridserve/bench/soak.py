@@ -130,9 +130,7 @@ async def drive(
         metrics = await _idle_metrics(client, deployment)
     report.kills = chaos.kills
     report.outlived = chaos.outlived() if chaos.kills else []
-    report.kv_blocks_used_after = {
-        k: v for k, v in metrics.items() if "hybridserve_kv_blocks_used" in k
-    }
+    report.kv_blocks_used_after = {k: v for k, v in metrics.items() if "hybridserve_kv_blocks_used" in k}
     report.preemptions = _sum(metrics, "hybridserve_num_preemptions_total")
     report.evictions = _sum(metrics, "hybridserve_kv_blocks_evicted_total")
     report.prefix_hit_tokens = _sum(metrics, "hybridserve_prefix_cache_hits_total")

@@ -117,7 +117,9 @@ class KvCacheCoordinator:
             )
             dead[name] = [b for b in table[done : min(first, len(table))] if b != NULL_BLOCK]
             missing[name] = last + 1 - max(first, len(table))
-        new = self.pools.allocate(missing, release=dead)
+        new: dict[str, list[int]] | None = {}
+        if any(dead.values()) or any(n > 0 for n in missing.values()):  # else a decode inside its block
+            new = self.pools.allocate(missing, release=dead)
         if new is None:
             return False
         for g in self.plan.groups:

@@ -17,10 +17,12 @@ window design's invariant (the null block is all zeros) between steps.
 
 With ``compiled`` the forward and logits of the static step run through ``torch.compile`` (inductor: C++
 loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a few dozen
-kernels. The batch dimension (B > 1) and the compressed-row counts are marked dynamic, so one graph
-serves batch 1 and one every other bucket, whatever the context length. The cache writes are
-``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a copy of
-the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
+kernels. The batch dimension (B > 1) is marked dynamic, so one graph serves batch 1 and one every other
+bucket; the compressed-row counts stay static (a graph per row bucket: marking them dynamic too made one
+compile take minutes). On CPU the routed experts run inside the graph as the opaque
+``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops. The cache
+writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a
+copy of the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
 Compiling happens on the first step of each graph (or in :meth:`DecodeGraphRunner.warmup`); its time is
 logged and kept in ``compile_seconds``, and inductor caches the generated code on disk
 (``TORCHINDUCTOR_CACHE_DIR``), so a restart with the same model compiles much faster.

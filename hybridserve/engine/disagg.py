@@ -180,4 +180,3 @@ def build_role(
         receiver = KvReceiver(coordinator, fingerprint(), device, timeout_s)
         return DecodeRole(receiver, scheduler, coordinator, max_num_seqs)
     raise ValueError(f"unknown disaggregation mode {mode!r}; choose prefill or decode")
-

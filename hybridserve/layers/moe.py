@@ -66,6 +66,41 @@ class Router(nn.Module):
         return weights * self.scaling, indices
 
 
+def _grouped_outputs(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    offs: torch.Tensor,
+    order: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Rows sorted by expert (``order``, group ends ``offs``) through one grouped matmul per weight;
+    -> each (token, slot)'s expert output [T, k, D]."""
+    gate, up = F.grouped_mm(x[order // experts.shape[1]], gate_up.mT, offs=offs).chunk(2, dim=-1)
+    y = F.grouped_mm(clamped_swiglu(gate, up, limit), down.mT, offs=offs)
+    return torch.empty_like(y).index_copy_(0, order, y).view(*experts.shape, y.shape[-1])
+
+
+@torch.library.custom_op("hybridserve::grouped_experts", mutates_args=())
+def grouped_experts(
+    x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """Every (token, slot)'s expert output [T, k, D], one group per expert. An opaque op, so that a
+    compiled CPU step runs fp32 experts grouped too (dynamo traces ``grouped_mm`` in bf16 only)."""
+    sorted_ids, order = experts.flatten().sort(stable=True)
+    ids = torch.arange(gate_up.shape[0], device=experts.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+    return _grouped_outputs(x, experts, gate_up, down, offs, order, limit)
+
+
+@grouped_experts.register_fake
+def _grouped_experts_shape(
+    x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
+    return x.new_empty(*experts.shape, x.shape[-1])
+
+
 def _grouped_mm_is_async(x: torch.Tensor, hidden: int, inter: int) -> bool:
     """Whether ``F.grouped_mm`` runs here without a host sync: on CPU, and in bf16 on sm90/sm100 (its
     CUTLASS kernel); elsewhere torch falls back to copying the offsets to the host. Rows must be 16-byte
@@ -86,6 +121,9 @@ class Experts(nn.Module):
     A fixed number of ops whatever experts are hit, with no host sync (static shapes given T).
     """
 
+    # Whether a compiled CPU step may run ``weights(None)`` through the opaque grouped_experts op.
+    compiled_grouped_op = True
+
     def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
         self.gate_up = _weight(n_experts, 2 * inter, hidden)
@@ -104,22 +142,26 @@ class Experts(nn.Module):
         """[T, D], expert ids [T, k] -> each (token, slot)'s expert output [T, k, D]. Chosen by device,
         dtype and shapes only: grouped where that has no host sync; else gathered weights while their T*k
         copies are fewer than the experts, else every expert on every token."""
+        if self._compiled_on_cpu(x):
+            return grouped_experts(x, experts, self.gate_up, self.down, self.limit)
         if _grouped_mm_is_async(x, self.hidden, self.inter):
             return self._grouped(x, experts)
         if experts.numel() < self.gate_up.shape[0]:
             return self._gathered(x, experts)
         return self._dense(x, experts)
 
+    def _compiled_on_cpu(self, x: torch.Tensor) -> bool:
+        aligned = (self.hidden * x.element_size()) % 16 == 0 and (self.inter * x.element_size()) % 16 == 0
+        on_cpu = x.device.type == "cpu" and torch.compiler.is_compiling()
+        return on_cpu and aligned and self.compiled_grouped_op
+
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, one grouped matmul per weight (per expert the same matmul as a loop
         over experts would do); the group offsets stay on the device."""
-        k = experts.shape[1]
         sorted_ids, order = experts.flatten().sort(stable=True)
         ids, offs = self._groups(sorted_ids)
         gate_up, down = self.weights(ids)
-        gate, up = F.grouped_mm(x[order // k], gate_up.mT, offs=offs).chunk(2, dim=-1)
-        y = F.grouped_mm(clamped_swiglu(gate, up, self.limit), down.mT, offs=offs)
-        return torch.empty_like(y).index_copy_(0, order, y).view(*experts.shape, y.shape[-1])
+        return _grouped_outputs(x, experts, gate_up, down, offs, order, self.limit)
 
     def _groups(self, sorted_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(weights' experts, None for all; group end offsets) of rows sorted by expert: one group each."""

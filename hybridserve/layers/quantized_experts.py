@@ -19,6 +19,8 @@ class QuantizedExperts(Experts):
     exactly those of the dense model's weights, so outputs are bit-equal to it.
     """
 
+    compiled_grouped_op = False  # the op takes plain weights; these are dequantised per step
+
     def __init__(
         self,
         n_experts: int,

@@ -437,6 +437,8 @@ _TOP_LEVEL = {
     "hc_head_scale": "hc_head.hc_scale",
     "lm_head.weight": "head.weight",
 }
+
+
 def _mtp_cache(layer: MTPLayer, cache: CacheTensors) -> CacheTensors:
     """The MTP layer's rows of the draft group, under the window group's name (every field: FP8 rows
     have several)."""

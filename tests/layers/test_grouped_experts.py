@@ -166,3 +166,22 @@ def test_forward_is_one_graph_without_host_syncs(
     with torch.no_grad():
         compiled = torch.compile(experts, fullgraph=True, backend="eager")
         assert_close(compiled(x, w, idx), experts(x, w, idx), dtype)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 16])
+def test_compiled_cpu_experts_run_grouped_and_equal_eager_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, n_tokens: int
+) -> None:
+    """Under torch.compile on CPU fp32 the experts go through the opaque grouped_experts op (inductor
+    would otherwise copy the picked experts' weights, or run every expert on every token), which runs
+    the eager grouped path's own ops: the same bits."""
+    monkeypatch.setattr(Experts, "_gathered", lambda *a: pytest.fail("gathered under compile"))
+    monkeypatch.setattr(Experts, "_dense", lambda *a: pytest.fail("dense under compile"))
+    torch._dynamo.reset()
+    experts = make_experts(8, torch.float32, hidden=192, inter=160)
+    x, w, idx = hash_routed(n_tokens, 2, 8, torch.float32, hidden=192)
+    with torch.no_grad():
+        eager = experts(x, w, idx)
+        compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")(x, w, idx)
+    assert torch.equal(compiled, eager)
+    assert_close(eager, per_token_reference(experts, x, w, idx), torch.float32)
