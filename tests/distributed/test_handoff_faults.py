@@ -3,7 +3,8 @@
 Prefill end: a send to a dead decode worker fails that pull, never the engine.
 Decode end: an import cancelled before its pull was answered still receives (and discards) the blocks
 the prefill worker goes on to send, so that send is matched and the pair stays usable; a reply saying
-the pair broke fails every import waiting on that peer and drops it, so the next pull connects again.
+the pair broke fails every import waiting on that peer and drops it, so the next pull connects again;
+a failed transfer, which drops its peer too, fails at once the imports still owed a reply over it.
 """
 
 from __future__ import annotations
@@ -272,12 +273,16 @@ class _FakeControl:
 
 
 class _Pending:
-    """A posted receive that has not ended."""
+    """A posted receive that has not ended (until the test ends it, or fails it with ``error``)."""
 
     finished = False
+    error = ""
 
     def done(self) -> bool:
-        return self.finished
+        return self.finished or bool(self.error)
+
+    def result(self) -> torch.Tensor:
+        raise RuntimeError(self.error)
 
 
 class _Receiver(KvReceiver):
@@ -369,3 +374,23 @@ def test_a_broken_pair_fails_every_import_on_that_peer_only_and_the_next_pull_re
     receiver.start_all(("a4", A, 6))  # connects again
     assert receiver.connects == [A, B, A] and receiver.control(A) is not a
     assert list(receiver.control(A).pulls) == ["a4"]
+
+
+def test_a_failed_transfer_fails_what_still_waits_for_a_reply_from_that_peer_at_once(
+    receiver: _Receiver,
+) -> None:
+    receiver.start_all(("a1", A, 9), ("a2", A, 11), ("a3", A, 5), ("b1", B, 8))
+    a = receiver.control(A)
+    a.reply("a1")
+    assert receiver.poll() == []
+    transfer = receiver.transfers[0]()
+    assert transfer is not None
+    transfer.error = PAIR_CLOSED  # the pair broke under a1's receive: A is dropped, its replies unread
+    ended = dict(receiver.poll())
+    at = f"the KV handoff from the prefill worker at {A} failed:"
+    assert ended.pop("a1") == f"{at} the transfer failed: {PAIR_CLOSED}"
+    # a2 and a3 cannot get a reply over the closed connection: they fail now, not at their deadline
+    assert ended.keys() == {"a2", "a3"} and all(why.startswith(at) for why in ended.values())
+    assert A not in receiver.peers and set(receiver.imports) == {"b1"} and receiver.stats.failed == 3
+    receiver.start_all(("a4", A, 6))  # the next pull connects again
+    assert receiver.connects == [A, B, A] and receiver.cancel("a4") and set(receiver.imports) == {"b1"}
