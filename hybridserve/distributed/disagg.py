@@ -345,6 +345,10 @@ class KvReceiver(_HandoffEnd):
                 ended.append(
                     (request_id, self._fail(request_id, f"no blocks arrived within {self.timeout_s:.0f} s"))
                 )
+        # A failure above dropped its peer: the replies still owed over that connection can never be read
+        unanswerable = [r for r, i in self.imports.items() if i.transfer is None and i.peer not in self.peers]
+        why = "the connection was dropped (another pull over it failed) before this pull was answered"
+        ended += [(r, self._fail(r, why)) for r in unanswerable]
         self._orphans = [t for t in self._orphans if not t.done()]
         return ended
 

@@ -18,11 +18,11 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.distributed.disagg import KvHandoff, KvReceiver, KvSender
-from hybridserve.distributed.handoff import handoff_blocks
 from hybridserve.distributed.kv_transfer_group import FingerprintMismatch, PlanFingerprint
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.loader import read_config
+from tests.distributed.handoff_rows import moved_rows
 
 # (request id, prompt tokens): odd lengths, shorter than one block, ending on and across block boundaries.
 REQUESTS = [("a", 1), ("b", 7), ("c", 12), ("d", 13), ("e", 37), ("f", 24)]
@@ -32,17 +32,6 @@ TIMEOUT_S = 20.0
 def _plan(folder: str, block_tokens: int) -> CachePlan:
     cfg = DeepseekV4Config.from_dict(read_config(folder))
     return build_plan(cache_specs(cfg, torch.float32), block_tokens, 8, 64, num_blocks=48)
-
-
-def _moved(pools: BlockPoolSet, coordinator: KvCacheCoordinator, rid: str, n: int) -> dict[str, torch.Tensor]:
-    """The rows of every block the handoff moves, read straight from the pool tensors."""
-    out = {}
-    for name, blocks in handoff_blocks(pools.plan, n).items():
-        r = pools[name].plan.rows_per_block
-        for (layer, field), t in pools[name].tensors.items():
-            b = [coordinator.block_tables(rid)[name][j] for j in blocks]
-            out[f"{name}/{layer}/{field}"] = torch.cat([t[x * r : (x + 1) * r] for x in b]).clone()
-    return out
 
 
 CASES = [("mixed", 8, 8), ("csa_heavy", 12, 12), ("mixed", 8, 16)]  # model, prefill and decode block size
@@ -66,7 +55,7 @@ def _prefill_case(folder: str, block_tokens: int, addresses: Any, done: Any) -> 
             assert coordinator.allocate(rid, start, min(n, start + 5))
     for t in pools.tensors().values():  # whatever the model wrote
         t.copy_(torch.randn(t.shape).to(t.dtype))
-    expected = {rid: _moved(pools, coordinator, rid, n) for rid, n in REQUESTS}
+    expected = {rid: moved_rows(pools, coordinator, rid, n) for rid, n in REQUESTS}
     for rid, n in REQUESTS:
         sender.hold(rid, n)
     addresses.put((sender.control, sender.store_address))
@@ -122,7 +111,7 @@ def _decode_case(folder: str, block_tokens: int, addresses: Any) -> dict[str, An
         time.sleep(0.001)
     for rid, n in REQUESTS:
         if rid in result["errors"] and result["errors"][rid] is None:
-            result["received"][rid] = _moved(pools, coordinator, rid, n)
+            result["received"][rid] = moved_rows(pools, coordinator, rid, n)
     receiver.close()
     return result
 
