@@ -91,6 +91,8 @@ PART_NOTES = {
     "norm/rmsnorm": "weighted RMSNorm (attn/ffn/q/kv/compressor/final norms)",
     "norm/unweighted": "unweighted RMS norm (q heads, hyper-connection inputs)",
     "sampler/sampler": "Sampler: penalties, greedy/random choice, results",
+    "compiled/step": "--compile-decode: the compiled static decode step (forward + logits, one graph; its "
+    "extern matmuls and the grouped-experts op are listed among the ops) and the null-block zeroing",
 }
 
 
@@ -221,6 +223,14 @@ def _classes(llm: Any) -> dict[str, list[type]]:
             if c is not object and c not in by_name[c.__name__]:
                 by_name[c.__name__].append(c)
     return by_name
+
+
+# With --compile-decode the model runs inside one graph, where no scope can be injected: the host-side
+# parts, and the compiled step as one part.
+HOST_PARTS = ("engine/", "batch/", "sampler/")
+COMPILED_TARGETS = [t for t in TARGETS if isinstance(t.part, str) and t.part.startswith(HOST_PARTS)] + [
+    Target("DecodeGraphRunner._forward", "compiled/step")
+]
 
 
 def install(llm: Any, targets: Iterable[Target]) -> Patches:
@@ -642,7 +652,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of the op tables")
     p.add_argument("--label", default="run", help="name of this run (e.g. before, after)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="profile compiled decode steps (every graph the run needs is compiled first, unmeasured)",
+    )
     return p.parse_args(argv)
+
+
+def _compile_first(llm: Any, args: argparse.Namespace, vocab: int, max_tokens: int) -> float:
+    """Decode other prompts of the same batch and lengths, so no graph compiles while measuring; seconds."""
+    from hybridserve import SamplingParams
+
+    g = torch.Generator().manual_seed(args.seed + 1)
+    others = [torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    t0 = time.perf_counter()
+    llm.generate(others, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -667,18 +693,20 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.warmup + MAX_TRIES * sum(ph.steps for ph in phases[1:]) + 64
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max(args.batch, 1))
+    llm = LLM(model=model, max_num_seqs=max(args.batch, 1), compile_decode=args.compile_decode)
     load_s = time.perf_counter() - t0
+    targets = COMPILED_TARGETS if args.compile_decode else TARGETS
+    compile_s = _compile_first(llm, args, vocab, max_tokens) if args.compile_decode else 0.0
     prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
     patches = Patches()
 
     def on_start(name: str) -> None:
         nonlocal patches
         if name == "wrapped":
-            patches = install(llm, TARGETS)
+            patches = install(llm, targets)
         elif name == "profiled":
             if not patches.installed:
-                patches = install(llm, TARGETS)
+                patches = install(llm, targets)
             prof.start()
         elif name == "done":
             prof.stop()
@@ -724,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
         "pythonpath": os.environ.get("PYTHONPATH", ""),
         "prefill_steps": driver.prefill_steps,
         "load_s": load_s,
+        "compile_decode": args.compile_decode,
+        "compile_warmup_s": compile_s,
         "run_s": run_s,
         "max_wall_over_cpu": args.max_wall_over_cpu,
         "wall_ms_per_step": wall,

@@ -5,7 +5,8 @@ Machine (torch on CPU, ``--threads``, default all cores):
 
 * memory bandwidth: ``dst.copy_(src)`` of a large fp32 tensor (``--bw-mib`` each, far past the
   caches), counted as read + write bytes; best of several runs. A read-only figure (``src.sum()``)
-  is reported too. The bounds use the copy figure (``--bound-bandwidth read`` for the other).
+  is reported too. The bounds use the copy figure (``--bound-bandwidth read`` for the other). For
+  context, not as a bound: the rate one-row ``F.linear`` streams fp32 weights (a decode GEMV).
 * matmul FLOP/s: ``torch.mm`` fp32 at a few square sizes, each run for ~0.3 s; the best size's
   sustained rate is used.
 
@@ -34,6 +35,14 @@ embedding rows and FLOPs scale with B. Upper bound on decode tok/s = B / max(byt
 bandwidth, flops_per_step / flop_rate).
 
     python benchmarks/roofline.py --checkpoint data/bench-random-v4 [--threads 2] [--context 1024]
+
+Measured runs (``--results``: run_peers.py's ``summary.json`` or bench-serve result files) are held
+against the bound at their own batch (the concurrency) and mean decode context (prompt plus half the
+output): *decode tok/s* = concurrency / TPOT p50 (the decode-step rate the bound describes) and the
+end-to-end *output tok/s*, each with its fraction of the bound.
+
+    python benchmarks/roofline.py --checkpoint data/bench-random-v4 --threads 1 \
+        --results benchmarks/results/bench-random-v4/summary.json
 """
 
 from __future__ import annotations
@@ -107,6 +116,20 @@ def measure_bandwidth(mib: int) -> dict[str, float]:
     t_read = _best_time(lambda: src.sum(), 6)
     nbytes = n * 4
     return {"copy_gb_s": 2 * nbytes / t_copy / 1e9, "read_gb_s": nbytes / t_read / 1e9, "tensor_mib": mib}
+
+
+def measure_gemv(mib: int, rows: int = 1, out: int = 768, inner: int = 512) -> dict[str, float]:
+    """What one-row ``F.linear`` streams through weights far past the caches (a decode step's GEMVs):
+    the rate the BLAS reaches, not a bound."""
+    weights = [torch.randn(out, inner) for _ in range(max(1, mib * (1 << 20) // (4 * out * inner)))]
+    x = torch.randn(rows, inner)
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+
+    t = _best_time(run, 3)
+    return {"gemv_gb_s": sum(w.numel() * 4 for w in weights) / t / 1e9, "rows": rows, "weight_mib": mib}
 
 
 def measure_matmul(sizes: list[int]) -> dict[str, Any]:
@@ -355,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     bw = measure_bandwidth(args.bw_mib)
     mm = measure_matmul([int(s) for s in args.mm_sizes.split(",")])
+    bw |= measure_gemv(args.bw_mib)
     report: dict[str, Any] = {
         "threads": args.threads,
         "torch": torch.__version__,
@@ -379,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         per_tok = report["decode"]["bytes"]["total_per_token_batch1"] / 1e6
         flops = report["decode"]["flops_per_token"]["total"] / 1e6
         print(
-            f"bandwidth {bw['copy_gb_s']:.1f} GB/s copy ({bw['read_gb_s']:.1f} read), matmul "
+            f"bandwidth {bw['copy_gb_s']:.1f} GB/s copy ({bw['read_gb_s']:.1f} read, one-row linear "
+            f"streams {bw['gemv_gb_s']:.1f}), matmul "
             f"{mm['gflop_s']:.1f} GFLOP/s; {per_tok:.1f} MB and {flops:.1f} MFLOP per token at batch 1, "
             f"context {args.context}",
             file=sys.stderr,

@@ -60,9 +60,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-def row_bucket(n: int, most: int) -> int:
-    """The padded compressed-row count for ``n`` rows: a power of two >= MIN_ROW_BUCKET, capped."""
-    return min(max(MIN_ROW_BUCKET, 1 << max(n - 1, 0).bit_length()), max(most, n))
+def row_bucket(n: int, most: int, least: int = MIN_ROW_BUCKET) -> int:
+    """The padded compressed-row count for ``n`` rows: a power of two >= ``least``, capped at ``most``."""
+    return min(max(least, 1 << max(n - 1, 0).bit_length()), max(most, n))
 
 
 def is_pure_decode(scheduled: list[ScheduledRequest]) -> bool:
@@ -124,11 +124,16 @@ class StaticDecode:
     ran: bool = False  # the first run of a key may compile
 
     def mark_dynamic(self) -> None:
-        """The batch dim (B > 1) as dynamic: one compiled graph for every bucket but 1."""
+        """The batch dim (B > 1) and the compressed-row dim as dynamic: one compiled graph for batch 1 and
+        one for every other bucket, whatever the context, so serving never stops to compile."""
         b = self.batch.input_ids.shape[0]
         for t in tensors_of(self):
             if b > 1 and t.dim() > 0 and t.shape[0] == b:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        for branch in (self.meta.csa, self.meta.hca):
+            if branch is not None:
+                torch._dynamo.maybe_mark_dynamic(branch.read_slots, 1)
+                torch._dynamo.maybe_mark_dynamic(branch.read_visible, 1)
 
 
 class DecodeGraphRunner:
@@ -187,7 +192,7 @@ class DecodeGraphRunner:
         batch = self.padded_batch(scheduled, size)
         meta = self.model.attention_meta(batch)
         layout = batch.host_layout()
-        rows = {name: self._rows(getattr(meta, name), layout) for name in ("csa", "hca")}
+        rows = {name: self._rows(getattr(meta, name), layout, name == "csa") for name in ("csa", "hca")}
         meta = dataclasses.replace(
             meta, csa=pad_reads(meta.csa, rows["csa"]), hca=pad_reads(meta.hca, rows["hca"])
         )
@@ -204,12 +209,19 @@ class DecodeGraphRunner:
         assert entry.logits is not None
         return entry.logits[: len(scheduled)]
 
-    def _rows(self, branch: CompressedMeta | None, layout: BatchLayout) -> int:
+    def _rows(self, branch: CompressedMeta | None, layout: BatchLayout, indexed: bool = False) -> int:
         if branch is None:
             return 0
         if not self.pad_rows:
             return visible_rows(layout, branch.rate)
-        return row_bucket(visible_rows(layout, branch.rate), self.max_model_len // branch.rate)
+        most = self.max_model_len // branch.rate
+        least = self._least_indexed_rows() if indexed and self.compiled is not None else MIN_ROW_BUCKET
+        return row_bucket(visible_rows(layout, branch.rate), most, least)
+
+    def _least_indexed_rows(self) -> int:
+        """Compiled CSA reads at least ``index_topk`` rows: the indexer's ``min(topk, rows)`` is then
+        ``topk`` at every context, which keeps one graph (padded rows are never visible)."""
+        return max(MIN_ROW_BUCKET, 1 << max(self.model.cfg.index_topk - 1, 0).bit_length())
 
     def padded_batch(self, scheduled: list[ScheduledRequest], size: int = 0) -> ForwardBatch:
         """The step's requests, then dummies (position 0, null tables) up to the bucket size."""

@@ -189,11 +189,15 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
 
 
 def test_compiled_decode_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
-    """torch.compile (inductor's C++ backend on CPU) of the static step: fp32 rounding, same tokens. One
-    request whose compressed rows stay in one bucket: a single graph, since compiling takes a while."""
+    """torch.compile (inductor's C++ backend on CPU) of the static step: fp32 rounding, same tokens. The
+    request's CSA rows grow from 5 to 19, across a row bucket (16 -> 32), and still one graph runs it all:
+    the row dim is dynamic, so serving never stops to compile a longer context."""
     model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
     plain, _ = _run(model, (9,), graphs=False)
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, pools = _run(model, (9,), graphs=True, compiled=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
     assert len(plain) == len(compiled) >= DECODE_STEPS
     worst = max(float((a - b).abs().max()) for a, b in zip(plain, compiled, strict=True))
     assert worst <= ATOL
