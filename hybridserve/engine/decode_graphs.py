@@ -83,9 +83,10 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def clone_tree(obj: Any) -> Any:
-    """The same tree with every tensor cloned (persistent buffers of the same shapes)."""
+    """The same tree with every tensor cloned, contiguous (persistent buffers of the same shapes; their
+    strides follow from the shapes alone, so a compiled graph's stride guards hold for every key)."""
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return obj.clone(memory_format=torch.contiguous_format)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = {f.name: clone_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **fields)
@@ -169,8 +170,20 @@ class DecodeGraphRunner:
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
         if compiled:
-            self.compiled = torch.compile(self._logits, dynamic=None)
+            self.compiled = self._compile()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
+
+    def _compile(self) -> Callable[[StaticDecode], torch.Tensor]:
+        """``_logits`` through torch.compile, without duck shapes: two dynamic dims of equal size when a
+        graph is traced (batch 2 and 2 rows, CSA and HCA rows both 16) would share one symbol, and the
+        graph would recompile the first time they differ, in the middle of serving."""
+        compiled = torch.compile(self._logits, dynamic=None)
+
+        def run(entry: StaticDecode) -> torch.Tensor:
+            with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+                return compiled(entry)
+
+        return run
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
         return is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1]
@@ -219,9 +232,10 @@ class DecodeGraphRunner:
         return row_bucket(visible_rows(layout, branch.rate), most, least)
 
     def _least_indexed_rows(self) -> int:
-        """Compiled CSA reads at least ``index_topk`` rows: the indexer's ``min(topk, rows)`` is then
-        ``topk`` at every context, which keeps one graph (padded rows are never visible)."""
-        return max(MIN_ROW_BUCKET, 1 << max(self.model.cfg.index_topk - 1, 0).bit_length())
+        """Compiled CSA reads more than ``index_topk`` rows (padded rows are never visible): the indexer
+        then keeps ``topk`` of them at every context, and one graph serves all (traced at ``topk`` rows
+        or fewer, the graph would be specialised to keeping every row)."""
+        return max(MIN_ROW_BUCKET, 1 << self.model.cfg.index_topk.bit_length())
 
     def padded_batch(self, scheduled: list[ScheduledRequest], size: int = 0) -> ForwardBatch:
         """The step's requests, then dummies (position 0, null tables) up to the bucket size."""

@@ -161,6 +161,9 @@ class HyperConnection(nn.Module):
 
     def _expanded_scale(self) -> torch.Tensor:
         """``scale`` [3] repeated over the (pre, post, comb) columns of the projection -> [(2 + hc) * hc]."""
+        if torch.compiler.is_compiling():  # a tensor cached on the module: a guard that fails once it is set
+            widths = (self.hc, self.hc, self.hc * self.hc)
+            return torch.cat([self.scale[i : i + 1].expand(n) for i, n in enumerate(widths)])
         index = self._scale_index
         if index is None or index.device != self.scale.device:
             hc = self.hc

@@ -12,6 +12,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.config import EngineConfig
+from hybridserve.engine import decode_graphs
 from hybridserve.engine.batch import build_forward_batch
 from hybridserve.engine.decode_graphs import DecodeGraphRunner, batch_buckets, row_bucket
 from hybridserve.engine.llm import LLM
@@ -51,8 +52,10 @@ def _run(
     graphs: bool,
     exact: bool = False,
     compiled: bool = False,
+    warm: bool = False,
 ) -> tuple[list[torch.Tensor], BlockPoolSet]:
-    """Chunked prefill on the plain path, then greedy decode on the plain or the bucketed path."""
+    """Chunked prefill on the plain path, then greedy decode on the plain or the bucketed path; ``warm``:
+    the runner's start-up warm-up first, after which no new graph may compile."""
     pools, coord = _cache(model, 128)
     sizes = list(range(1, 9)) if exact else None
     runner = DecodeGraphRunner(
@@ -66,6 +69,9 @@ def _run(
         pad_rows=not exact,
         compiled=compiled,
     )
+    if warm:
+        runner.warmup()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(0)
     reqs = [
         Request(f"r{i}", torch.randint(3, VOCAB, (n,), generator=g).tolist(), SamplingParams())
@@ -93,6 +99,8 @@ def _run(
         for r, row in zip(sampling, out, strict=True):
             r.output_token_ids.append(int(row.argmax()))
     pools.check_integrity()
+    if warm:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before, "compiled mid-run"
     return logits, pools
 
 
@@ -188,16 +196,22 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
     assert all(len(t) == DECODE_STEPS for t in outputs[0])
 
 
-def test_compiled_decode_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
+def test_compiled_decode_matches_eager(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
     """torch.compile (inductor's C++ backend on CPU) of the static step: fp32 rounding, same tokens. The
-    request's CSA rows grow from 5 to 19, across a row bucket (16 -> 32), and still one graph runs it all:
-    the row dim is dynamic, so serving never stops to compile a longer context."""
-    model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
-    plain, _ = _run(model, (9,), graphs=False)
+    start-up warm-up compiles the two graphs (batch 1, and batch 2 with the batch dim dynamic); then three
+    requests decode padded to batch 4 while their CSA rows grow from 1-3 to 9, across two row buckets (4 ->
+    8 -> 16), and no graph compiles: serving never stops to compile a batch size or a longer context.
+    Buckets from 2 rows up make the shortest CSA bucket the indexer's top-k (2) unless the runner pads
+    past it, which once specialised the graph to keeping every row."""
+    monkeypatch.setattr(decode_graphs, "MIN_ROW_BUCKET", 2)
+    model = load_model(tiny_checkpoint("csa_heavy"), torch.float32, "cpu")
+    plain, _ = _run(model, (9, 5, 7), graphs=False)
     torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled, pools = _run(model, (9,), graphs=True, compiled=True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+    compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 2
     assert len(plain) == len(compiled) >= DECODE_STEPS
     worst = max(float((a - b).abs().max()) for a, b in zip(plain, compiled, strict=True))
     assert worst <= ATOL
