@@ -170,20 +170,8 @@ class DecodeGraphRunner:
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
         if compiled:
-            self.compiled = self._compile()
+            self.compiled = torch.compile(self._logits, dynamic=None)
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
-
-    def _compile(self) -> Callable[[StaticDecode], torch.Tensor]:
-        """``_logits`` through torch.compile, without duck shapes: two dynamic dims of equal size when a
-        graph is traced (batch 2 and 2 rows, CSA and HCA rows both 16) would share one symbol, and the
-        graph would recompile the first time they differ, in the middle of serving."""
-        compiled = torch.compile(self._logits, dynamic=None)
-
-        def run(entry: StaticDecode) -> torch.Tensor:
-            with torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-                return compiled(entry)
-
-        return run
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
         return is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1]

@@ -104,6 +104,16 @@ def _run(
     return logits, pools
 
 
+def _assert_matches(plain: list[torch.Tensor], other: list[torch.Tensor], pools: BlockPoolSet) -> None:
+    """Logits equal to rounding (ATOL) and the same greedy tokens at every step; null blocks zero."""
+    assert len(plain) == len(other) >= DECODE_STEPS
+    worst = max(float((a - b).abs().max()) for a, b in zip(plain, other, strict=True))
+    assert worst <= ATOL
+    for a, b in zip(plain, other, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert _null_rows_zero(pools)
+
+
 def test_buckets() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -121,12 +131,7 @@ def test_bucketed_decode_matches_eager(
     model = load_model(tiny_checkpoint(name), torch.float32, "cpu")
     plain, _ = _run(model, prompts, graphs=False)
     padded, pools = _run(model, prompts, graphs=True)
-    assert len(plain) == len(padded) >= DECODE_STEPS
-    worst = max(float((a - b).abs().max()) for a, b in zip(plain, padded, strict=True))
-    assert worst <= ATOL
-    for a, b in zip(plain, padded, strict=True):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert _null_rows_zero(pools)
+    _assert_matches(plain, padded, pools)
 
 
 def test_padded_batch_dummies(tiny_checkpoint: Callable[[str], Path]) -> None:
@@ -212,12 +217,7 @@ def test_compiled_decode_matches_eager(
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 2
-    assert len(plain) == len(compiled) >= DECODE_STEPS
-    worst = max(float((a - b).abs().max()) for a, b in zip(plain, compiled, strict=True))
-    assert worst <= ATOL
-    for a, b in zip(plain, compiled, strict=True):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert _null_rows_zero(pools)
+    _assert_matches(plain, compiled, pools)
 
 
 def test_compile_decode_takes_the_fixed_layout() -> None:
