@@ -2,12 +2,13 @@
 
 A pure-decode step (every request computes one token) of R requests is padded to the next bucket B in
 (1, 2, 4, ..., max_num_seqs) with dummy requests: position 0, every block-table entry the null block,
-token id 0. The attention metadata is built eagerly, outside the graph, from that padded batch with
-``pad_windows`` (one compressed-window entry per request and branch), and each branch's row reads are
-null-padded to a bucketed row count N (powers of two, at most ``max_model_len // m``). The metadata
-tensors and the token ids are then copied into persistent buffers of the shape key (B, N per branch),
-and the forward, the logits of all B rows and the re-zeroing of the null blocks run on those buffers:
-as one captured ``torch.cuda.CUDAGraph`` per key on CUDA, eagerly elsewhere.
+token id 0. The step copies only its token ids, positions and block tables (padded to a power-of-two
+width) into the persistent buffers of its shape key (B, N per compressed branch, table width); each
+branch's row reads are padded to a bucketed row count N (powers of two, at most ``max_model_len // m``).
+The attention metadata is built from those buffers inside the step (``DeepseekV4Model.decode_meta``:
+one compressed-window entry per request and branch, no host layout), then the forward, the logits of
+all B rows and the re-zeroing of the null blocks run: as one captured ``torch.cuda.CUDAGraph`` per key
+on CUDA, eagerly (or compiled) elsewhere.
 
 Dummy rows write their own token's inputs into row 0 of the null block of every per-token group (and
 the window-padding entries then pool them into the null row of the compressed groups). Nothing reads
@@ -15,11 +16,11 @@ the null block unmasked (invisible keys get zero weight, and the values are fini
 unaffected; the null blocks are zeroed again at the end of every padded step, which keeps the padded
 window design's invariant (the null block is all zeros) between steps.
 
-With ``compiled`` the forward and logits of the static step run through ``torch.compile`` (inductor: C++
-loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a few dozen
-kernels. The batch dimension (B > 1) is marked dynamic, so one graph serves batch 1 and one every other
-bucket; the compressed-row counts stay static (a graph per row bucket: marking them dynamic too made one
-compile take minutes). On CPU the routed experts run inside the graph as the opaque
+With ``compiled`` the metadata, forward and logits of the static step run through ``torch.compile``
+(inductor: C++ loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a
+few dozen kernels. The batch dim (B > 1), the table width and the row counts are marked dynamic, so one
+graph serves batch 1 and one every other bucket, at every context; after a key's first run its guards
+are skipped (see ``_replay_compiled``). On CPU the routed experts run inside the graph as the opaque
 ``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops. The cache
 writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a
 copy of the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
@@ -30,7 +31,6 @@ logged and kept in ``compile_seconds``, and inductor caches the generated code o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -38,13 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.models.attention_meta import AttentionMeta, CompressedMeta, visible_rows
+from hybridserve.models.attention_meta import visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 log = logging.getLogger(__name__)
@@ -69,72 +68,36 @@ def is_pure_decode(scheduled: list[ScheduledRequest]) -> bool:
     return bool(scheduled) and all(s.num_tokens == 1 for s in scheduled)
 
 
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor of a metadata tree (dataclasses, dicts, tuples), in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in tensors_of(getattr(obj, f.name))]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_of(v)]
-    if isinstance(obj, tuple | list):
-        return [t for v in obj for t in tensors_of(v)]
-    return []
-
-
-def clone_tree(obj: Any) -> Any:
-    """The same tree with every tensor cloned, contiguous (persistent buffers of the same shapes; their
-    strides follow from the shapes alone, so a compiled graph's stride guards hold for every key)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone(memory_format=torch.contiguous_format)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: clone_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **fields)
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(clone_tree(v) for v in obj)
-    return obj
-
-
-def _reads(branch: CompressedMeta | None) -> int:
-    return 0 if branch is None else branch.read_slots.shape[1]
-
-
-def pad_reads(branch: CompressedMeta | None, n: int) -> CompressedMeta | None:
-    """``branch`` reading ``n`` rows: the extra ones are the null block's slot 0, never visible."""
-    if branch is None:
-        return None
-    extra = n - branch.read_slots.shape[1]
-    assert extra >= 0
-    return dataclasses.replace(
-        branch,
-        read_slots=F.pad(branch.read_slots, (0, extra), value=0),
-        read_visible=F.pad(branch.read_visible, (0, extra), value=False),
-    )
+def table_width(width: int) -> int:
+    """The padded block-table width: a power of two >= 2 (a size-1 dim would be specialised)."""
+    return max(2, 1 << max(width - 1, 0).bit_length())
 
 
 @dataclass
 class StaticDecode:
-    """The persistent buffers (and, on CUDA, the graph) of one shape key."""
+    """The persistent buffers (and, on CUDA, the graph) of one shape key. The step's metadata is built
+    from them inside the step (``DeepseekV4Model.decode_meta``), so a step copies in only its token ids,
+    positions and block tables."""
 
-    batch: ForwardBatch  # only input_ids is read by the model when the metadata is given
-    meta: AttentionMeta
+    batch: ForwardBatch  # [B] ids, positions, ends; [B, width] block tables; no host layout
+    rows: dict[str, torch.Tensor]  # "csa" / "hca": arange(N) of the branch's row reads
     logits: torch.Tensor | None = None  # [B, V], written by every run
     graph: torch.cuda.CUDAGraph | None = None
     ran: bool = False  # the first run of a key may compile
 
     def mark_dynamic(self) -> None:
-        """The batch dim (B > 1) and the compressed-row dim as dynamic: one compiled graph for batch 1 and
-        one for every other bucket, whatever the context, so serving never stops to compile."""
+        """The batch dim (B > 1), the table width and the compressed-row dims as dynamic: one compiled
+        graph for batch 1 and one for every other bucket, whatever the context, so serving never stops to
+        compile."""
         b = self.batch.input_ids.shape[0]
-        for t in tensors_of(self):
-            if b > 1 and t.dim() > 0 and t.shape[0] == b:
+        per_token = (self.batch.input_ids, self.batch.positions, self.batch.req_indices, self.batch.seq_ends)
+        for t in (*per_token, self.batch.logits_indices, *self.batch.block_tables.values()):
+            if b > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        for branch in (self.meta.csa, self.meta.hca):
-            if branch is not None:
-                torch._dynamo.maybe_mark_dynamic(branch.read_slots, 1)
-                torch._dynamo.maybe_mark_dynamic(branch.read_visible, 1)
+        for table in self.batch.block_tables.values():
+            torch._dynamo.maybe_mark_dynamic(table, 1)
+        for ids in self.rows.values():
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
 
 
 class DecodeGraphRunner:
@@ -166,7 +129,10 @@ class DecodeGraphRunner:
             for p in pools.pools.values()
             for t in p.tensors.values()
         ]
-        self.entries: dict[tuple[int, int, int], StaticDecode] = {}
+        self.group_names = [g.spec.name for g in coordinator.plan.groups]
+        for rotary in model.rotary().values():  # the step looks positions up in tables that never grow
+            rotary.reserve(max_model_len + 1)
+        self.entries: dict[tuple[int, int, int, int], StaticDecode] = {}
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
         if compiled:
@@ -189,35 +155,42 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], size: int = 0) -> torch.Tensor:
         """Logits [R, V] of every scheduled request (all of a pure-decode step's rows), in order; the
-        batch padded to the bucket of ``max(len(scheduled), size)``."""
-        batch = self.padded_batch(scheduled, size)
-        meta = self.model.attention_meta(batch)
-        layout = batch.host_layout()
-        rows = {name: self._rows(getattr(meta, name), layout, name == "csa") for name in ("csa", "hca")}
-        meta = dataclasses.replace(
-            meta, csa=pad_reads(meta.csa, rows["csa"]), hca=pad_reads(meta.hca, rows["hca"])
-        )
+        batch padded to the bucket of ``max(len(scheduled), size)`` with dummies (position 0, token 0,
+        all-null tables)."""
+        r, b = len(scheduled), self.bucket(max(len(scheduled), size))
+        starts = [s.start for s in scheduled] + [0] * (b - r)
+        ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
+        layout = BatchLayout(tuple(starts), tuple(p + 1 for p in starts))
+        rows = {name: self._rows(layout, name) for name in ("csa", "hca")}
+        tables = self._tables(scheduled, b)
         # Compiled graphs take no inference tensors: the persistent buffers are normal ones.
         with torch.inference_mode(False), torch.no_grad():
-            entry = self._entry((batch.num_tokens, rows["csa"], rows["hca"]), batch, meta)
-            entry.batch.input_ids.copy_(batch.input_ids)
-            for dst, src in zip(tensors_of(entry.meta), tensors_of(meta), strict=True):
+            entry = self._entry((b, rows["csa"], rows["hca"], tables.shape[-1]))
+            static = entry.batch
+            host = host_tensor(ids + starts + [p + 1 for p in starts]).view(3, b)
+            for dst, src in zip((static.input_ids, static.positions, static.seq_ends), host, strict=True):
+                dst.copy_(src)
+            for dst, src in zip(static.block_tables.values(), tables, strict=True):
                 dst.copy_(src)
             if self.use_graphs:
                 self._replay(entry)
             else:
                 entry.logits = self._forward(entry)
         assert entry.logits is not None
-        return entry.logits[: len(scheduled)]
+        return entry.logits[:r]
 
-    def _rows(self, branch: CompressedMeta | None, layout: BatchLayout, indexed: bool = False) -> int:
-        if branch is None:
+    def _rows(self, layout: BatchLayout, branch: str) -> int:
+        """The padded row count N of a compressed branch (0: the model has none)."""
+        rate = self.model.compress_rates()[branch]
+        if not rate or f"{branch}_rows" not in self.group_names:
             return 0
         if not self.pad_rows:
-            return visible_rows(layout, branch.rate)
-        most = self.max_model_len // branch.rate
-        least = self._least_indexed_rows() if indexed and self.compiled is not None else MIN_ROW_BUCKET
-        return row_bucket(visible_rows(layout, branch.rate), most, least)
+            return visible_rows(layout, rate)
+        most = self.max_model_len // rate
+        least = (
+            self._least_indexed_rows() if branch == "csa" and self.compiled is not None else MIN_ROW_BUCKET
+        )
+        return row_bucket(visible_rows(layout, rate), most, least)
 
     def _least_indexed_rows(self) -> int:
         """Compiled CSA reads more than ``index_topk`` rows (padded rows are never visible): the indexer
@@ -225,51 +198,62 @@ class DecodeGraphRunner:
         or fewer, the graph would be specialised to keeping every row)."""
         return max(MIN_ROW_BUCKET, 1 << self.model.cfg.index_topk.bit_length())
 
-    def padded_batch(self, scheduled: list[ScheduledRequest], size: int = 0) -> ForwardBatch:
-        """The step's requests, then dummies (position 0, null tables) up to the bucket size."""
-        r, b = len(scheduled), self.bucket(max(len(scheduled), size))
-        starts = [s.start for s in scheduled] + [0] * (b - r)
-        ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
-        rows = list(range(b))
-        host = host_tensor(ids + starts + rows + [p + 1 for p in starts])
-        input_ids, pos, req, ends = host.to(self.device).view(4, b).unbind(0)
-        return ForwardBatch(
-            input_ids=input_ids,
-            positions=pos,
-            req_indices=req,
-            seq_ends=ends,
-            block_tables=self._tables(scheduled, b),
-            block_tokens=self.coordinator.block_tokens,
-            logits_indices=req,
-            layout=BatchLayout(tuple(starts), tuple(p + 1 for p in starts), pad_windows=True),
-        )
-
-    def _tables(self, scheduled: list[ScheduledRequest], b: int) -> dict[str, torch.Tensor]:
-        """Every group's [B, width] table, dummy rows all null; one transfer."""
+    def _tables(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
+        """Every group's [B, width] table (host, [G, B, width]); dummy rows and padding null."""
         tables = [self.coordinator.block_tables(s.request.request_id) for s in scheduled]
-        names = [g.spec.name for g in self.coordinator.plan.groups]
-        width = max([1, *(len(t[name]) for t in tables for name in names)])
+        width = table_width(max([1, *(len(t[name]) for t in tables for name in self.group_names)]))
         flat: list[int] = []
-        for name in names:
+        for name in self.group_names:
             for t in tables:
                 flat += t[name] + [NULL_BLOCK] * (width - len(t[name]))
             flat += [NULL_BLOCK] * (width * (b - len(tables)))
-        packed = host_tensor(flat).to(self.device).view(len(names), b, width)
-        return dict(zip(names, packed.unbind(0), strict=True))
+        return host_tensor(flat).view(len(self.group_names), b, width)
 
-    def _entry(self, key: tuple[int, int, int], batch: ForwardBatch, meta: AttentionMeta) -> StaticDecode:
+    def _entry(self, key: tuple[int, int, int, int]) -> StaticDecode:
         if key not in self.entries:
-            static = dataclasses.replace(batch, input_ids=batch.input_ids.clone(), block_tables={})
-            self.entries[key] = StaticDecode(static, clone_tree(meta))
+            self.entries[key] = self._new_entry(*key)
             if self.compiled is not None:
                 self.entries[key].mark_dynamic()
         return self.entries[key]
 
+    def _new_entry(self, b: int, n_csa: int, n_hca: int, width: int) -> StaticDecode:
+        """Contiguous buffers of one key (strides follow from the shapes, so stride guards always hold)."""
+        dev = self.device
+
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=dev)
+
+        req = torch.arange(b, device=dev)
+        batch = ForwardBatch(
+            input_ids=ints(b),
+            positions=ints(b),
+            req_indices=req,
+            seq_ends=ints(b),
+            block_tables={name: ints(b, width) for name in self.group_names},
+            block_tokens=self.coordinator.block_tokens,
+            logits_indices=req,
+        )
+        rows = {"csa": torch.arange(n_csa, device=dev), "hca": torch.arange(n_hca, device=dev)}
+        return StaticDecode(batch, rows)
+
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
-        logits = (self.compiled or self._logits)(entry) if entry.ran else self._first_run(entry)
+        if not entry.ran:
+            logits = self._first_run(entry)
+        elif self.compiled is not None:
+            logits = self._replay_compiled(entry)
+        else:
+            logits = self._logits(entry)
         torch._foreach_zero_(self.null_rows)
         return logits
+
+    def _replay_compiled(self, entry: StaticDecode) -> torch.Tensor:
+        """A key's later runs skip dynamo's guards (~0.5 ms a step): its first run passed them with these
+        very buffers, whose shapes, strides and dtypes never change, so they hold; only the guards that
+        choose between the graphs (batch 1 or not) still run."""
+        assert self.compiled is not None
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.compiled(entry)
 
     def _first_run(self, entry: StaticDecode) -> torch.Tensor:
         """The key's first run, timed (it compiles a graph if none fits); eager if compiling fails."""
@@ -284,12 +268,13 @@ class DecodeGraphRunner:
         self.compile_seconds += seconds
         entry.ran = True
         if self.compiled is not None:
-            b, n_csa, n_hca = entry.batch.input_ids.shape[0], _reads(entry.meta.csa), _reads(entry.meta.hca)
+            b, n_csa, n_hca = entry.batch.input_ids.shape[0], len(entry.rows["csa"]), len(entry.rows["hca"])
             log.info("decode step batch %d (csa %d, hca %d rows) compiled: %.1f s", b, n_csa, n_hca, seconds)
         return logits
 
     def _logits(self, entry: StaticDecode) -> torch.Tensor:
-        return self.model.compute_logits(self.model(entry.batch, self.cache, entry.meta))
+        meta = self.model.decode_meta(entry.batch, entry.rows, self.max_model_len)
+        return self.model.compute_logits(self.model(entry.batch, self.cache, meta))
 
     def _replay(self, entry: StaticDecode) -> None:
         if entry.graph is None:

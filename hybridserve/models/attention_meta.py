@@ -31,10 +31,12 @@ class NewRows:
     """The compressed rows a step completes: where their per-token inputs are and where they go.
 
     The first ``count`` of the Nw entries are real; padding entries pool the state group's null block
-    (zero rows, so a zero row) into slot 0, the null block of the row group.
+    (zero rows, so a zero row) into slot 0, the null block of the row group. ``count`` is None for
+    :func:`decode_meta`'s entries (one per request, in request order; padding is wherever a request's
+    token completes no window).
     """
 
-    count: int
+    count: int | None
     src_slots: torch.Tensor  # [Nw, span] state-group slots of the window's per-token inputs
     src_valid: torch.Tensor  # [Nw, span]
     positions: torch.Tensor  # [Nw] rope position of each new row (w * m)
@@ -70,19 +72,80 @@ def build_meta(
     rotary: dict[str, Rotary],
     dtype: torch.dtype,
 ) -> AttentionMeta:
-    pos = batch.positions
-    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)  # [T, W]; last: pos
-    groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
-    slots = batch.slots(groups, 1, key_pos, batch.req_indices[:, None])  # [G, T, W]
-    token_slots = dict(zip(groups, slots[:, :, -1].contiguous().unbind(0), strict=True))
     top = max(batch.host_layout().ends, default=1) - 1  # positions are < their request's end
-    rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
         csa = _compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
     if HCA_ROWS in batch.block_tables:
         hca = _compressed(batch, rates["hca"], HCA_STATE, HCA_ROWS, False, rotary["compress"], dtype)
+    return _with_window(batch, window, rotary, dtype, top, csa, hca)
+
+
+def decode_meta(
+    batch: ForwardBatch,
+    rows: dict[str, torch.Tensor],
+    max_position: int,
+    window: int,
+    rates: dict[str, int],
+    rotary: dict[str, Rotary],
+    dtype: torch.dtype,
+) -> AttentionMeta:
+    """:func:`build_meta` of a padded pure-decode batch (token i is request i's only one) from device
+    tensors alone, so that it runs inside a compiled step: no host layout, no data-dependent shape.
+
+    ``rows[name]`` is ``arange(N)`` of the branch's row reads (N >= what any request sees; the rest are
+    never visible); every request gets one window entry per branch, pooled into slot 0 (the null block)
+    unless its token completes the window. ``max_position`` bounds every position (rope table lookup).
+    """
+    rope = (rotary["compress"], dtype, max_position)
+    csa = hca = None
+    if CSA_ROWS in batch.block_tables:
+        csa = _decode_compressed(batch, rates["csa"], (CSA_STATE, CSA_ROWS), True, rows["csa"], rope)
+    if HCA_ROWS in batch.block_tables:
+        hca = _decode_compressed(batch, rates["hca"], (HCA_STATE, HCA_ROWS), False, rows["hca"], rope)
+    return _with_window(batch, window, rotary, dtype, max_position, csa, hca)
+
+
+def _with_window(
+    batch: ForwardBatch,
+    window: int,
+    rotary: dict[str, Rotary],
+    dtype: torch.dtype,
+    top: int,
+    csa: CompressedMeta | None,
+    hca: CompressedMeta | None,
+) -> AttentionMeta:
+    """The per-token slots, the raw window and rope (positions <= ``top``) around the compressed branches."""
+    pos = batch.positions
+    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)  # [T, W]; last: pos
+    groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
+    slots = batch.slots(groups, 1, key_pos, batch.req_indices[:, None])  # [G, T, W]
+    token_slots = dict(zip(groups, slots[:, :, -1].contiguous().unbind(0), strict=True))
+    rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
     return AttentionMeta(token_slots, slots[0], key_pos >= 0, rope, csa, hca)
+
+
+def _decode_compressed(
+    batch: ForwardBatch,
+    m: int,
+    groups: tuple[str, str],
+    overlap: bool,
+    row_ids: torch.Tensor,
+    rope: tuple[Rotary, torch.dtype, int],
+) -> CompressedMeta:
+    """One branch of :func:`decode_meta`; ``rope``: the compressed rows' table, dtype and position bound."""
+    state, rows = groups
+    pos, req = batch.positions, batch.req_indices
+    w, keep = pos // m, (pos + 1) % m == 0
+    span = 2 * m if overlap else m
+    src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=pos.device)
+    src_slots = batch.slots(state, 1, src_pos, req[:, None]) * keep[:, None]
+    slots = batch.slots(rows, m, w, req) * keep
+    rotary, dtype, top = rope
+    new_rows = NewRows(None, src_slots, src_pos >= 0, w * m, rotary.cos_sin(w * m, dtype, top), slots)
+    read_slots = batch.slots(rows, m, row_ids[None], req[:, None])  # [T, N]
+    count = ((pos + 1) // m)[:, None]
+    return CompressedMeta(m, new_rows, read_slots, row_ids[None] < count, count)
 
 
 def completed_windows(layout: BatchLayout, m: int) -> tuple[list[int], list[int], int]:

@@ -33,6 +33,7 @@ from hybridserve.models.attention_meta import (
     AttentionMeta,
     CompressedMeta,
     build_meta,
+    decode_meta,
 )
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
@@ -316,9 +317,18 @@ class DeepseekV4Model(nn.Module):
             self._rotary = {name: Rotary(r, device) for name, r in self.cfg.rope.items()}
         return self._rotary
 
+    def compress_rates(self) -> dict[str, int]:
+        return {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
+
     def attention_meta(self, batch: ForwardBatch) -> AttentionMeta:
-        rates = {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
-        return build_meta(batch, self.cfg.sliding_window, rates, self.rotary(), self.dtype)
+        return build_meta(batch, self.cfg.sliding_window, self.compress_rates(), self.rotary(), self.dtype)
+
+    def decode_meta(
+        self, batch: ForwardBatch, rows: dict[str, torch.Tensor], max_position: int
+    ) -> AttentionMeta:
+        """A padded pure-decode batch's metadata from its device tensors (``attention_meta.decode_meta``)."""
+        rates, rotary = self.compress_rates(), self.rotary()
+        return decode_meta(batch, rows, max_position, self.cfg.sliding_window, rates, rotary, self.dtype)
 
     @torch.no_grad()  # not inference_mode: compiled decode steps take normal tensors
     def forward(

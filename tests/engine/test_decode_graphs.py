@@ -146,15 +146,15 @@ def test_padded_batch_dummies(tiny_checkpoint: Callable[[str], Path]) -> None:
         model(build_forward_batch(step, coord, torch.device("cpu")), pools.tensors())
         r.num_computed_tokens = r.num_tokens - 1
     decode = [ScheduledRequest(r, r.num_tokens - 1, 1) for r in reqs]
-    batch = runner.padded_batch(decode)
-    assert batch.num_tokens == 4 and batch.positions[3] == 0
-    assert all(not t[3].any() for t in batch.block_tables.values())
     first = runner.run(decode)
     assert first.shape[0] == 3 and len(runner.entries) == 1
-    buffers = [t.data_ptr() for t in runner.entries[next(iter(runner.entries))].batch.input_ids.unsqueeze(0)]
+    entry = next(iter(runner.entries.values()))
+    assert entry.batch.num_tokens == 4 and entry.batch.positions[3] == 0
+    assert all(not t[3].any() for t in entry.batch.block_tables.values())
+    buffers = [t.data_ptr() for t in (entry.batch.input_ids, *entry.batch.block_tables.values())]
     second = runner.run(decode)  # same inputs, same slots rewritten: same logits, same buffers
     assert torch.equal(first, second) and len(runner.entries) == 1
-    assert buffers == [runner.entries[next(iter(runner.entries))].batch.input_ids.data_ptr()]
+    assert buffers == [t.data_ptr() for t in (entry.batch.input_ids, *entry.batch.block_tables.values())]
     assert _null_rows_zero(pools)
     pools.check_integrity()
 

@@ -31,6 +31,8 @@ from hybridserve.models.attention_meta import (
     AttentionMeta,
     CompressedMeta,
     build_meta,
+    decode_meta,
+    visible_rows,
 )
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
@@ -302,6 +304,50 @@ def test_padded_decode_batch_shapes_do_not_depend_on_positions() -> None:
     reference = _decode_shapes(0, 4)
     for seed in range(1, 12):
         assert _decode_shapes(seed, 4) == reference
+
+
+@pytest.mark.parametrize("extra_rows", [0, 5])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_decode_meta_equals_build_meta(
+    geometry: tuple[int, int, int, int], seed: int, extra_rows: int
+) -> None:
+    """The compiled step's device-only metadata is the host-layout one: same slots, rope and visibility;
+    rows read past N are never visible; each request's window entry is the window it completes, or
+    pooled into the null block."""
+    s = Scenario(geometry, seed)
+    for _ in range(1 + seed % 5):
+        s.add("decode")
+    batch = s.batch(pad_windows=True)
+    ref = _meta(s, batch)
+    layout = batch.host_layout()
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    rows = {name: torch.arange(visible_rows(layout, m) + extra_rows) for name, m in rates.items()}
+    top = max(layout.ends) + 64
+    got = decode_meta(batch, rows, top, s.cfg.sliding_window, rates, _rotary(s.cfg), torch.float32)
+    for g, slots in ref.token_slots.items():
+        _equal(got.token_slots[g], slots)
+    _equal(got.window_slots, ref.window_slots)
+    _equal(got.window_visible, ref.window_visible)
+    for name, (cos, sin) in ref.rope.items():
+        _equal(got.rope[name][0], cos)
+        _equal(got.rope[name][1], sin)
+    for name in ("csa", "hca"):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert a is not None and b is not None and a.new_rows is not None and b.new_rows is not None
+        n = b.read_slots.shape[1]
+        _equal(a.read_slots[:, :n], b.read_slots)
+        _equal(a.read_visible[:, :n], b.read_visible)
+        assert not a.read_visible[:, n:].any()
+        _equal(a.read_count, b.read_count)
+        done = [i for i, x in enumerate(s.scheduled) if (x.start + 1) % b.rate == 0]
+        k = b.new_rows.count
+        assert k == len(done)
+        for field in ("src_slots", "positions", "slots"):
+            _equal(getattr(a.new_rows, field)[done], getattr(b.new_rows, field)[:k])
+        _equal(a.new_rows.rope[0][done], b.new_rows.rope[0][:k])
+        idle = [i for i in range(len(s.scheduled)) if i not in done]
+        assert not a.new_rows.src_slots[idle].any() and not a.new_rows.slots[idle].any()
 
 
 class _SyncWatch(TorchDispatchMode):
