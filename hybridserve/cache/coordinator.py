@@ -24,6 +24,9 @@ class _RequestBlocks:
     hashes: list[bytes] = field(default_factory=list)
     recycled: dict[str, int] = field(default_factory=dict)  # leading table entries already null
     num_published: int = 0
+    # (from, start below, end at most): allocate(start, end) within these bounds changes nothing (a
+    # decode inside its block, no window block to recycle); None: unknown, the tables just changed.
+    quiet: tuple[int, int, int] | None = None
 
 
 class KvCacheCoordinator:
@@ -104,7 +107,29 @@ class KvCacheCoordinator:
         no later token can see are recycled first, so they count towards the new blocks.
         """
         assert end > start >= 0
-        req = self._requests.setdefault(req_id, _RequestBlocks({g.spec.name: [] for g in self.plan.groups}))
+        req = self._requests.get(req_id)
+        if req is None:
+            req = self._requests[req_id] = _RequestBlocks({g.spec.name: [] for g in self.plan.groups})
+        if req.quiet is not None and req.quiet[0] <= start < req.quiet[1] and end <= req.quiet[2]:
+            return True
+        if not self._allocate(req, start, end):
+            return False
+        req.quiet = self._quiet_bounds(req, start)
+        return True
+
+    def _quiet_bounds(self, req: _RequestBlocks, start: int) -> tuple[int, int, int]:
+        """Bounds within which ``allocate`` has nothing to do: every token's block is held, and no
+        window group's first kept block passes what it already recycled."""
+        below, most = 1 << 62, 1 << 62
+        for g in self.plan.groups:
+            name = g.spec.name
+            most = min(most, len(req.tables[name]) * self.block_tokens)
+            if g.spec.kind is not GroupKind.HISTORY:
+                done = req.recycled.get(name, 0)
+                below = min(below, (done + 1) * self.block_tokens + g.spec.window_tokens + self.lookback)
+        return start, below, most
+
+    def _allocate(self, req: _RequestBlocks, start: int, end: int) -> bool:
         last = (end - 1) // self.block_tokens
         dead: dict[str, list[int]] = {}
         missing: dict[str, int] = {}
@@ -152,6 +177,7 @@ class KvCacheCoordinator:
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget tokens from ``num_tokens`` on (speculative rollback); frees blocks past the end."""
         req = self._requests[req_id]
+        req.quiet = None
         keep = -(-num_tokens // self.block_tokens)
         for name, table in req.tables.items():
             self.pools[name].free(table[keep:][::-1])

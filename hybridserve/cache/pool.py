@@ -88,6 +88,10 @@ class BlockPool:
         if not blocks:
             return
         r = self.plan.rows_per_block
+        if len(blocks) == 1:  # a decode's next block: a slice, no index tensor to build and move
+            for t in self.tensors.values():
+                t[blocks[0] * r : (blocks[0] + 1) * r].zero_()
+            return
         idx = torch.tensor(blocks, dtype=torch.long)
         rows = (idx[:, None] * r + torch.arange(r)).flatten()
         for t in self.tensors.values():

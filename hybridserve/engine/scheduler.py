@@ -130,17 +130,22 @@ class Scheduler:
         out = SchedulerOutput()
         chosen: dict[str, ScheduledRequest] = {}
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_time))
+        used = 0  # tokens of ``chosen``, recounted after a preemption drops some
         for req in order:
-            budget = self.budget - sum(s.num_tokens for s in chosen.values())
+            budget = self.budget - used
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            preempted = len(out.preempted)
             scheduled = self._schedule_running(req, budget, chosen, out)
+            if len(out.preempted) != preempted:
+                used = sum(s.num_tokens for s in chosen.values())
             if scheduled is not None:
                 chosen[req.request_id] = scheduled
+                used += scheduled.num_tokens
         if not out.preempted and not out.deferred:
-            self._admit_waiting(self.budget - sum(s.num_tokens for s in chosen.values()), chosen)
+            self._admit_waiting(self.budget - used, chosen)
         out.scheduled = list(chosen.values())
         return out
 

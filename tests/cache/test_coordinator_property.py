@@ -260,3 +260,29 @@ class ArenaPrefixSharingMachine(PrefixSharingMachine):
 
 TestArenaPrefixSharing = ArenaPrefixSharingMachine.TestCase
 TestArenaPrefixSharing.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_quiet_decodes_change_nothing_the_full_allocation_would() -> None:
+    """allocate's fast path (a decode inside held blocks, nothing to recycle) leaves the same tables and
+    free counts as the full allocation, token by token through block ends and window recycling."""
+    coords = []
+    for quiet in (True, False):
+        plan = build_plan(toy_specs(window=5, rate=2), BLOCK, 4, 16, num_blocks=24)
+        coord = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"), enable_prefix_caching=False, lookback=1)
+        if not quiet:
+            coord._quiet_bounds = lambda req, start: None  # type: ignore[assignment,method-assign,return-value]
+        coords.append(coord)
+    for coord in coords:
+        assert coord.allocate("a", 0, 3) and coord.allocate("b", 0, 6)
+    fast = 0
+    for pos in range(3, 40):
+        for coord in coords:
+            req = coord._requests["a"]
+            fast += coord is coords[0] and req.quiet is not None and req.quiet[1] > pos and req.quiet[2] > pos
+            assert coord.allocate("a", pos, pos + 1)
+        a, b = coords
+        assert a.block_tables("a") == b.block_tables("a")
+        assert {k: p.num_free for k, p in a.pools.pools.items()} == {
+            k: p.num_free for k, p in b.pools.pools.items()
+        }
+    assert 10 < fast < 37  # most decodes took the fast path, block ends and recycling did not
