@@ -88,14 +88,13 @@ class BlockPool:
         if not blocks:
             return
         r = self.plan.rows_per_block
-        if len(blocks) == 1:  # a decode's next block: a slice, no index tensor to build and move
-            for t in self.tensors.values():
-                t[blocks[0] * r : (blocks[0] + 1) * r].zero_()
-            return
         idx = torch.tensor(blocks, dtype=torch.long)
         rows = (idx[:, None] * r + torch.arange(r)).flatten()
+        on_device: dict[torch.device, torch.Tensor] = {}  # one transfer per device, not per tensor
         for t in self.tensors.values():
-            t.index_fill_(0, rows.to(t.device), 0)
+            if t.device not in on_device:
+                on_device[t.device] = rows.to(t.device)
+            t.index_fill_(0, on_device[t.device], 0)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced blocks become reusable."""

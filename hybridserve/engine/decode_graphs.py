@@ -43,7 +43,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.models.attention_meta import visible_rows
+from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class DecodeGraphRunner:
     def _rows(self, layout: BatchLayout, branch: str) -> int:
         """The padded row count N of a compressed branch (0: the model has none)."""
         rate = self.model.compress_rates()[branch]
-        if not rate or f"{branch}_rows" not in self.group_names:
+        if not rate or {"csa": CSA_ROWS, "hca": HCA_ROWS}[branch] not in self.group_names:
             return 0
         if not self.pad_rows:
             return visible_rows(layout, rate)

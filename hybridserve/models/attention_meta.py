@@ -134,17 +134,40 @@ def _decode_compressed(
     rope: tuple[Rotary, torch.dtype, int],
 ) -> CompressedMeta:
     """One branch of :func:`decode_meta`; ``rope``: the compressed rows' table, dtype and position bound."""
-    state, rows = groups
-    pos, req = batch.positions, batch.req_indices
+    pos = batch.positions
     w, keep = pos // m, (pos + 1) % m == 0
-    span = 2 * m if overlap else m
-    src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=pos.device)
-    src_slots = batch.slots(state, 1, src_pos, req[:, None]) * keep[:, None]
-    slots = batch.slots(rows, m, w, req) * keep
+    src_slots, src_valid, slots = _pooled_rows(batch, m, groups, overlap, w, batch.req_indices, keep)
     rotary, dtype, top = rope
-    new_rows = NewRows(None, src_slots, src_pos >= 0, w * m, rotary.cos_sin(w * m, dtype, top), slots)
-    read_slots = batch.slots(rows, m, row_ids[None], req[:, None])  # [T, N]
-    count = ((pos + 1) // m)[:, None]
+    new_rows = NewRows(None, src_slots, src_valid, w * m, rotary.cos_sin(w * m, dtype, top), slots)
+    return _reads(batch, m, groups[1], row_ids, new_rows)
+
+
+def _pooled_rows(
+    batch: ForwardBatch,
+    m: int,
+    groups: tuple[str, str],
+    overlap: bool,
+    w: torch.Tensor,
+    req: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(state-group slots of window ``w``'s per-token inputs, their validity, its row's slot) for each
+    entry of request ``req``; entries whose ``keep`` is 0 read the null block and write slot 0."""
+    state, rows = groups
+    span = 2 * m if overlap else m
+    src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=w.device)
+    src_slots, slots = batch.slots(state, 1, src_pos, req[:, None]), batch.slots(rows, m, w, req)
+    if keep is not None:
+        src_slots, slots = src_slots * keep[:, None], slots * keep
+    return src_slots, src_pos >= 0, slots
+
+
+def _reads(
+    batch: ForwardBatch, m: int, rows: str, row_ids: torch.Tensor, new_rows: NewRows | None
+) -> CompressedMeta:
+    """Each token's reads of rows ``row_ids`` of its request, visible below its count (p + 1) // m."""
+    read_slots = batch.slots(rows, m, row_ids[None], batch.req_indices[:, None])  # [T, N]
+    count = ((batch.positions + 1) // m)[:, None]
     return CompressedMeta(m, new_rows, read_slots, row_ids[None] < count, count)
 
 
@@ -176,11 +199,8 @@ def _compressed(
     batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool, rope: Rotary, dtype: torch.dtype
 ) -> CompressedMeta:
     new_rows = _new_rows(batch, m, state, rows, overlap, rope, dtype)
-    pos = batch.positions
-    row_ids = torch.arange(visible_rows(batch.host_layout(), m), device=pos.device)
-    read_slots = batch.slots(rows, m, row_ids[None], batch.req_indices[:, None])  # [T, N]
-    count = ((pos + 1) // m)[:, None]
-    return CompressedMeta(m, new_rows, read_slots, row_ids[None] < count, count)
+    row_ids = torch.arange(visible_rows(batch.host_layout(), m), device=batch.positions.device)
+    return _reads(batch, m, rows, row_ids, new_rows)
 
 
 def _new_rows(
@@ -194,11 +214,9 @@ def _new_rows(
     dev = batch.positions.device
     host = host_tensor(windows + reqs + [1] * count + [0] * (nw - count))
     w, req, keep = host.to(dev).view(3, nw).unbind(0)
-    span = 2 * m if overlap else m
-    src_pos = ((w - 1) if overlap else w)[:, None] * m + torch.arange(span, device=dev)
-    src_slots, slots = batch.slots(state, 1, src_pos, req[:, None]), batch.slots(rows, m, w, req)
-    if layout.pad_windows:  # padding reads the null block's zero rows and writes slot 0 (the null block)
-        src_slots, slots = src_slots * keep[:, None], slots * keep
+    # padding reads the null block's zero rows and writes slot 0 (the null block)
+    pad = keep if layout.pad_windows else None
+    src_slots, src_valid, slots = _pooled_rows(batch, m, (state, rows), overlap, w, req, pad)
     positions = w * m
     cos_sin = rope.cos_sin(positions, dtype, max(windows) * m)
-    return NewRows(count, src_slots, src_pos >= 0, positions, cos_sin, slots)
+    return NewRows(count, src_slots, src_valid, positions, cos_sin, slots)
