@@ -30,7 +30,7 @@ from hybridserve.engine.spec_control import DraftController
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.structured import StructuredOutputs
-from hybridserve.layers.hyper_connection import set_compile
+from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
 from hybridserve.models.loader import load_model, read_config
 
 log = logging.getLogger("hybridserve.engine")
@@ -103,13 +103,13 @@ class EngineCore:
 
     def _build_runner(self) -> ModelRunner:
         """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
-        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; on CUDA the other steps'
-        mHC is compiled too. Expert-parallel steps exchange host-sized splits every MoE layer, so they
-        stay eager."""
+        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; on CUDA, or with
+        --compile-decode, the other steps' mHC tail is compiled too (one graph for every token count).
+        Expert-parallel steps exchange host-sized splits every MoE layer, so they stay eager."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
         compiled = accelerate and bool(self.config.compile_decode)
-        set_compile(accelerate and cuda)
+        set_compile(accelerate and (cuda or compiled))
         return ModelRunner(
             self.model,
             self.pools,
@@ -133,7 +133,11 @@ class EngineCore:
         return init_group(address, rank, size, self.device)
 
     def warmup(self) -> None:
-        """Compile (and on CUDA capture) the decode step before the first request, and say how long."""
+        """Compile (and on CUDA capture) the decode step and the mHC tail before the first request, and
+        say how long."""
+        start = time.perf_counter()
+        if warm_compiled_tail(self.model, self.device, self.dtype):
+            log.info("mHC tail ready in %.1f s", time.perf_counter() - start)
         graphs = self.runner.decode_graphs
         if graphs is None:
             return

@@ -130,8 +130,10 @@ def mhc_tail(
     pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
 ) -> _TailOut:
     """The compiled tail when enabled, else the eager one. Empty batches and ``hc_mult == 1`` stay eager
-    (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix)."""
-    if not _compile_enabled or streams.shape[0] == 0 or comb.shape[-1] < 2:
+    (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix), and so does a tail
+    traced into a larger compiled graph (the compiled decode step fuses it there)."""
+    eager = not _compile_enabled or torch.compiler.is_compiling()
+    if eager or streams.shape[0] == 0 or comb.shape[-1] < 2:
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)
     _mark_tokens_dynamic((pre, post, comb, streams))
     try:
@@ -140,6 +142,17 @@ def mhc_tail(
         log.warning("torch.compile of the mHC tail failed; using the eager path", exc_info=True)
         set_compile(False)
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)
+
+
+def warm_compiled_tail(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile the model's mHC tail now (one graph serves every token count), not in its first step.
+    -> whether there was one to compile."""
+    hc = next((m for m in model.modules() if isinstance(m, HyperConnection)), None)
+    if not _compile_enabled or hc is None or hc.hc < 2:
+        return False
+    with torch.inference_mode():  # the real forward under the runner's mode: a step's strides, flags
+        hc(torch.zeros(3, hc.hc, hc.fn.shape[1] // hc.hc, device=device, dtype=dtype))
+    return True
 
 
 class HyperConnection(nn.Module):

@@ -4,6 +4,11 @@ Rows of a compressed group (stride m) are numbered by window: row w holds tokens
 (CSA row w also reads the first half of window w-1). A query at position p sees rows
 w < (p + 1) // m and raw tokens (p - W, p].
 
+Queries are read in blocks of Q consecutive tokens of one request (``QueryBlocks``): a block reads its
+Q + W - 1 window rows and its request's compressed rows once, masked per query (the reference's dense
+form), instead of gathering W rows for every query. Q is chosen per step (:func:`query_block_size`);
+a decode step gets Q = 1, which is the per-query form.
+
 Every shape follows from the batch's host-side layout (Python ints), never from reading a device
 tensor. With ``BatchLayout.pad_windows`` a decode batch of R requests always gets the same shapes but
 for N (the compressed rows it reads) and the block-table width, which grow with the context.
@@ -50,19 +55,55 @@ class CompressedMeta:
 
     rate: int
     new_rows: NewRows | None  # None: the step completes no window
-    read_slots: torch.Tensor  # [T, N] slots of rows 0..N-1 of each token's request
-    read_visible: torch.Tensor  # [T, N] row w visible to the token
-    read_count: torch.Tensor  # [T, 1] rows visible to the token: (p + 1) // m
+    read_slots: torch.Tensor  # [B, N] slots of rows 0..N-1 of each query block's request
+    read_visible: torch.Tensor  # [B, Q, N] row w visible to the block's query
+    read_count: torch.Tensor  # [B * Q, 1] rows visible to each padded query: (p + 1) // m, 0 for padding
+
+
+@dataclass
+class QueryBlocks:
+    """The step's queries in B blocks of ``size`` consecutive tokens of one request; the padded rows
+    [B * size] hold block b's queries at b * size + i, the rest are padding (they see nothing)."""
+
+    size: int
+    token_rows: torch.Tensor | None  # [T] padded row of each token; None: the identity (size 1)
+    padded: int | None  # B * size when ``token_rows`` is set
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows [T, ...] -> padded rows [B * size, ...] (zeros in the padding)."""
+        if self.token_rows is None:
+            return x
+        assert self.padded is not None
+        return x.new_zeros(self.padded, *x.shape[1:]).index_copy_(0, self.token_rows, x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.token_rows is None else x.index_select(0, self.token_rows)
 
 
 @dataclass
 class AttentionMeta:
     token_slots: dict[str, torch.Tensor]  # [T] per per-token group
-    window_slots: torch.Tensor  # [T, W]
-    window_visible: torch.Tensor  # [T, W]
+    blocks: QueryBlocks
+    window_slots: torch.Tensor  # [B, Q + W - 1] window rows of each query block
+    window_visible: torch.Tensor  # [B, Q, Q + W - 1]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" cos, sin at token positions
     csa: CompressedMeta | None
     hca: CompressedMeta | None
+
+
+@dataclass
+class _Blocks:
+    """Device side of the query blocks: each block's request row, first position and valid queries."""
+
+    public: QueryBlocks
+    req: torch.Tensor  # [B]
+    start: torch.Tensor  # [B]
+    valid: torch.Tensor | None  # [B, Q] query i of the block is a token; None: all are (Q = 1)
+
+    def positions(self) -> torch.Tensor:
+        """[B, Q] position of every padded query (padding: past its request's end)."""
+        size = self.public.size
+        return self.start[:, None] + torch.arange(size, device=self.start.device)
 
 
 def build_meta(
@@ -72,13 +113,15 @@ def build_meta(
     rotary: dict[str, Rotary],
     dtype: torch.dtype,
 ) -> AttentionMeta:
-    top = max(batch.host_layout().ends, default=1) - 1  # positions are < their request's end
+    layout = batch.host_layout()
+    top = max(layout.ends, default=1) - 1  # positions are < their request's end
+    blocks = _host_blocks(batch, query_block_size(layout, window))
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
-        csa = _compressed(batch, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
+        csa = _compressed(batch, blocks, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
     if HCA_ROWS in batch.block_tables:
-        hca = _compressed(batch, rates["hca"], HCA_STATE, HCA_ROWS, False, rotary["compress"], dtype)
-    return _with_window(batch, window, rotary, dtype, top, csa, hca)
+        hca = _compressed(batch, blocks, rates["hca"], HCA_STATE, HCA_ROWS, False, rotary["compress"], dtype)
+    return _with_window(batch, blocks, window, rotary, dtype, top, csa, hca)
 
 
 def decode_meta(
@@ -97,17 +140,60 @@ def decode_meta(
     never visible); every request gets one window entry per branch, pooled into slot 0 (the null block)
     unless its token completes the window. ``max_position`` bounds every position (rope table lookup).
     """
+    blocks = _Blocks(QueryBlocks(1, None, None), batch.req_indices, batch.positions, None)
     rope = (rotary["compress"], dtype, max_position)
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
-        csa = _decode_compressed(batch, rates["csa"], (CSA_STATE, CSA_ROWS), True, rows["csa"], rope)
+        csa = _decode_compressed(batch, blocks, rates["csa"], (CSA_STATE, CSA_ROWS), True, rows["csa"], rope)
     if HCA_ROWS in batch.block_tables:
-        hca = _decode_compressed(batch, rates["hca"], (HCA_STATE, HCA_ROWS), False, rows["hca"], rope)
-    return _with_window(batch, window, rotary, dtype, max_position, csa, hca)
+        hca = _decode_compressed(batch, blocks, rates["hca"], (HCA_STATE, HCA_ROWS), False, rows["hca"], rope)
+    return _with_window(batch, blocks, window, rotary, dtype, max_position, csa, hca)
+
+
+# Candidate query-block sizes, and the cost of gathering a key row relative to scoring it for one query.
+_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
+_GATHER_COST = 4.0
+
+
+def query_block_size(layout: BatchLayout, window: int) -> int:
+    """The Q that minimises padded queries x rows each reads x (1 + gather cost / Q): 1 for a decode
+    step, 8-32 for prefill chunks, in between for mixed steps."""
+    counts = [end - start for start, end in zip(layout.starts, layout.ends, strict=True)]
+
+    def cost(q: int) -> float:
+        padded = sum(-(-n // q) * q for n in counts)
+        return padded * (q + window - 1) * (1 + _GATHER_COST / q)
+
+    return min(_BLOCK_SIZES, key=cost)
+
+
+def _host_blocks(batch: ForwardBatch, size: int) -> _Blocks:
+    """Blocks of ``size`` consecutive tokens of each request, from the host layout."""
+    if size == 1:
+        return _Blocks(QueryBlocks(1, None, None), batch.req_indices, batch.positions, None)
+    layout = batch.host_layout()
+    req: list[int] = []
+    start: list[int] = []
+    end: list[int] = []
+    rows: list[int] = []
+    for r, (s, e) in enumerate(zip(layout.starts, layout.ends, strict=True)):
+        rows += range(len(req) * size, len(req) * size + e - s)
+        first = range(s, e, size)
+        req += [r] * len(first)
+        start += first
+        end += [e] * len(first)
+    nb = len(req)
+    host = host_tensor(req + start + end + rows).to(batch.positions.device)
+    req_t, start_t, end_t = host[: 3 * nb].view(3, nb).unbind(0)
+    public = QueryBlocks(size, host[3 * nb :], nb * size)
+    blocks = _Blocks(public, req_t, start_t, None)
+    blocks.valid = blocks.positions() < end_t[:, None]
+    return blocks
 
 
 def _with_window(
     batch: ForwardBatch,
+    blocks: _Blocks,
     window: int,
     rotary: dict[str, Rotary],
     dtype: torch.dtype,
@@ -115,18 +201,26 @@ def _with_window(
     csa: CompressedMeta | None,
     hca: CompressedMeta | None,
 ) -> AttentionMeta:
-    """The per-token slots, the raw window and rope (positions <= ``top``) around the compressed branches."""
-    pos = batch.positions
-    key_pos = pos[:, None] - (window - 1) + torch.arange(window, device=pos.device)  # [T, W]; last: pos
+    """The per-token slots, the blocks' raw window and rope (positions <= ``top``) around the compressed
+    branches. Block key j is position start - (W - 1) + j; query i sees keys i..i + W - 1 (>= 0)."""
+    pos, q = batch.positions, blocks.public.size
+    span = torch.arange(q + window - 1, device=pos.device)
+    key_pos = blocks.start[:, None] - (window - 1) + span  # [B, Q + W - 1]
     groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
-    slots = batch.slots(groups, 1, key_pos, batch.req_indices[:, None])  # [G, T, W]
-    token_slots = dict(zip(groups, slots[:, :, -1].contiguous().unbind(0), strict=True))
+    token_slots = dict(zip(groups, batch.slots(groups, 1, pos, batch.req_indices).unbind(0), strict=True))
+    window_slots = batch.slots(WINDOW_KV, 1, key_pos, blocks.req[:, None])
+    visible = (key_pos >= 0)[:, None, :]
+    if q > 1:
+        offset = span[None, :] - torch.arange(q, device=pos.device)[:, None]  # [Q, Q + W - 1]
+        assert blocks.valid is not None
+        visible = visible & ((offset >= 0) & (offset < window))[None] & blocks.valid[:, :, None]
     rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
-    return AttentionMeta(token_slots, slots[0], key_pos >= 0, rope, csa, hca)
+    return AttentionMeta(token_slots, blocks.public, window_slots, visible, rope, csa, hca)
 
 
 def _decode_compressed(
     batch: ForwardBatch,
+    blocks: _Blocks,
     m: int,
     groups: tuple[str, str],
     overlap: bool,
@@ -139,7 +233,7 @@ def _decode_compressed(
     src_slots, src_valid, slots = _pooled_rows(batch, m, groups, overlap, w, batch.req_indices, keep)
     rotary, dtype, top = rope
     new_rows = NewRows(None, src_slots, src_valid, w * m, rotary.cos_sin(w * m, dtype, top), slots)
-    return _reads(batch, m, groups[1], row_ids, new_rows)
+    return _reads(batch, blocks, m, groups[1], row_ids, new_rows)
 
 
 def _pooled_rows(
@@ -163,12 +257,15 @@ def _pooled_rows(
 
 
 def _reads(
-    batch: ForwardBatch, m: int, rows: str, row_ids: torch.Tensor, new_rows: NewRows | None
+    batch: ForwardBatch, blocks: _Blocks, m: int, rows: str, row_ids: torch.Tensor, new_rows: NewRows | None
 ) -> CompressedMeta:
-    """Each token's reads of rows ``row_ids`` of its request, visible below its count (p + 1) // m."""
-    read_slots = batch.slots(rows, m, row_ids[None], batch.req_indices[:, None])  # [T, N]
-    count = ((batch.positions + 1) // m)[:, None]
-    return CompressedMeta(m, new_rows, read_slots, row_ids[None] < count, count)
+    """Each block's reads of rows ``row_ids`` of its request; a query sees those below (p + 1) // m."""
+    read_slots = batch.slots(rows, m, row_ids[None], blocks.req[:, None])  # [B, N]
+    count = (blocks.positions() + 1) // m  # [B, Q]
+    if blocks.valid is not None:
+        count = count * blocks.valid
+    visible = row_ids[None, None] < count[..., None]
+    return CompressedMeta(m, new_rows, read_slots, visible, count.view(-1, 1))
 
 
 def completed_windows(layout: BatchLayout, m: int) -> tuple[list[int], list[int], int]:
@@ -196,11 +293,18 @@ def visible_rows(layout: BatchLayout, m: int) -> int:
 
 
 def _compressed(
-    batch: ForwardBatch, m: int, state: str, rows: str, overlap: bool, rope: Rotary, dtype: torch.dtype
+    batch: ForwardBatch,
+    blocks: _Blocks,
+    m: int,
+    state: str,
+    rows: str,
+    overlap: bool,
+    rope: Rotary,
+    dtype: torch.dtype,
 ) -> CompressedMeta:
     new_rows = _new_rows(batch, m, state, rows, overlap, rope, dtype)
     row_ids = torch.arange(visible_rows(batch.host_layout(), m), device=batch.positions.device)
-    return _reads(batch, m, rows, row_ids, new_rows)
+    return _reads(batch, blocks, m, rows, row_ids, new_rows)
 
 
 def _new_rows(

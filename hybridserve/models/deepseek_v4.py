@@ -32,6 +32,7 @@ from hybridserve.models.attention_meta import (
     WINDOW_KV,
     AttentionMeta,
     CompressedMeta,
+    QueryBlocks,
     build_meta,
     decode_meta,
 )
@@ -99,15 +100,21 @@ class Indexer(nn.Module):
         keys: torch.Tensor,
         meta: CompressedMeta,
         rope: tuple[torch.Tensor, torch.Tensor],
+        blocks: QueryBlocks,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (row numbers [T, k], selected and visible [T, k]) per query."""
-        q = apply_rope(self.wq_b(q_res).view(-1, self.heads, self.dim), *rope).float()
-        w = self.weights_proj(x).float() * self.heads**-0.5
-        scores = torch.matmul(q, keys.float().transpose(1, 2)).relu_() * self.dim**-0.5  # [T, H, N]
-        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~meta.read_visible, float("-inf"))
+        """``keys`` [B, N, d] each query block's rows -> (row numbers [B * Q, k], selected and visible
+        [B * Q, k]) per padded query."""
+        q = blocks.pad(apply_rope(self.wq_b(q_res).view(-1, self.heads, self.dim), *rope).float())
+        w = blocks.pad(self.weights_proj(x).float() * self.heads**-0.5)
+        B, N = keys.shape[0], keys.shape[1]
+        per_block = q.view(B, blocks.size * self.heads, self.dim)
+        scores = torch.matmul(per_block, keys.float().transpose(1, 2))  # [B, Q * H, N]
+        scores = scores.view(q.shape[0], self.heads, N).relu_() * self.dim**-0.5
+        visible = meta.read_visible.view(q.shape[0], N)
+        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         # A stable sort breaks exact ties (common: ReLU zeros) by row number, so the choice does not
         # depend on chunking, batching or prefix reuse; invisible rows (-inf) sort last.
-        k = min(self.topk, scores.shape[1])
+        k = min(self.topk, N)
         picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         return picked, picked < meta.read_count
 
@@ -146,10 +153,18 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         self.write_kv(x, (cos, sin), meta.token_slots[WINDOW_KV], cache)
         keys, visible = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots), meta.window_visible
-        if self.compressor is not None:
-            ckeys, cvisible = self._compressed_keys(x, q_res, meta, cache)
-            keys, visible = torch.cat([keys, ckeys], dim=1), torch.cat([visible, cvisible], dim=1)
-        out = sink_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
+        selected = None
+        if self.indexer is not None:
+            selected = self._selected_keys(x, q_res, meta, cache)
+            if meta.blocks.size == 1:  # one query a block: its selected rows are just more block keys
+                sel_keys, sel_visible = selected
+                keys, visible = torch.cat([keys, sel_keys], 1), torch.cat([visible, sel_visible[:, None]], 2)
+                selected = None
+        elif self.compressor is not None:
+            hca_keys, hca_visible = self._hca_keys(x, meta, cache)
+            keys, visible = torch.cat([keys, hca_keys], dim=1), torch.cat([visible, hca_visible], dim=-1)
+        blocks, scale = meta.blocks, self.head_dim**-0.5
+        out = blocks.unpad(sink_attention(blocks.pad(q), keys, visible, self.attn_sink, scale, selected))
         out = apply_rope(out, cos, -sin)
         return self.wo_b(self._grouped_out(out))
 
@@ -163,45 +178,32 @@ class Attention(nn.Module):
         w = dense_weight(self.wo_a, x.dtype).view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
         return torch.bmm(x, w).transpose(0, 1).flatten(1)
 
-    def _compressed_keys(
-        self,
-        x: torch.Tensor,
-        q_res: torch.Tensor,
-        meta: AttentionMeta,
-        cache: CacheTensors,
+    def _hca_keys(
+        self, x: torch.Tensor, meta: AttentionMeta, cache: CacheTensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.compressor is not None
-        if self.indexer is None:
-            assert meta.hca is not None
-            hm = meta.hca
-            self._pool(
-                self.compressor,
-                x,
-                hm,
-                meta.token_slots[HCA_STATE],
-                cache,
-                HCA_STATE,
-                HCA_ROWS,
-                ("kv", "gate", "kv"),
-            )
-            return read_rows(cache, (HCA_ROWS, self.key, "kv"), hm.read_slots), hm.read_visible
-        assert meta.csa is not None
+        """Pool the HCA rows this step completes -> (each block's rows [B, N, d], visible [B, Q, N])."""
+        assert self.compressor is not None and meta.hca is not None
+        hm = meta.hca
+        fields = ("kv", "gate", "kv")
+        self._pool(self.compressor, x, hm, meta.token_slots[HCA_STATE], cache, HCA_STATE, HCA_ROWS, fields)
+        return read_rows(cache, (HCA_ROWS, self.key, "kv"), hm.read_slots), hm.read_visible
+
+    def _selected_keys(
+        self, x: torch.Tensor, q_res: torch.Tensor, meta: AttentionMeta, cache: CacheTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool the CSA and indexer rows this step completes, then -> (each padded query's top-k rows
+        [B * Q, k, d], visible [B * Q, k])."""
+        assert self.compressor is not None and self.indexer is not None and meta.csa is not None
         cm, slots = meta.csa, meta.token_slots[CSA_STATE]
         self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"))
-        self._pool(
-            self.indexer.compressor,
-            x,
-            cm,
-            slots,
-            cache,
-            CSA_STATE,
-            CSA_ROWS,
-            ("idx_kv", "idx_gate", "idx"),
-        )
+        fields = ("idx_kv", "idx_gate", "idx")
+        self._pool(self.indexer.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, fields)
         idx_keys = read_rows(cache, (CSA_ROWS, self.key, "idx"), cm.read_slots)
-        picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"])
-        rows = cm.read_slots.gather(1, picked.clamp(max=max(cm.read_slots.shape[1] - 1, 0)))
-        return read_rows(cache, (CSA_ROWS, self.key, "kv"), rows), ok
+        picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"], meta.blocks)
+        B, N = cm.read_slots.shape
+        per_query = cm.read_slots[:, None, :].expand(B, meta.blocks.size, N)
+        rows = per_query.gather(2, picked.clamp(max=max(N - 1, 0)).view(B, meta.blocks.size, picked.shape[1]))
+        return read_rows(cache, (CSA_ROWS, self.key, "kv"), rows.flatten(0, 1)), ok
 
     def _pool(
         self,

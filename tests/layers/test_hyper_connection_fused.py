@@ -231,3 +231,28 @@ def test_compile_failure_falls_back_to_eager(
     _assert_equal(got, _run(reference_hc, m, streams))
     assert not mhc.compile_enabled()
     assert "eager path" in caplog.text
+
+
+def test_warm_up_compiles_before_the_first_step() -> None:
+    """``warm_compiled_tail`` compiles the model's tail (nothing when compiling is off); the first real
+    step, at another token count, compiles nothing more."""
+    model = torch.nn.Sequential(_random_hc(4))
+    mhc.set_compile(False)
+    assert not mhc.warm_compiled_tail(model, torch.device("cpu"), torch.float32)
+    mhc.set_compile(True)
+    assert mhc.warm_compiled_tail(model, torch.device("cpu"), torch.float32)
+    graphs = counters["stats"]["unique_graphs"]
+    streams = _run(_streams, 29, 4, torch.float32)  # made like a step's: an inference tensor
+    _assert_equal(_run(model[0], streams), _run(reference_hc, model[0], streams))
+    assert counters["stats"]["unique_graphs"] == graphs and mhc.compile_enabled()
+
+
+def test_a_tail_traced_into_a_compiled_graph_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a larger compiled region (the compiled decode step) the tail is traced as the eager ops."""
+    calls: list[str] = []
+    monkeypatch.setattr(mhc, "_compiled_tail", lambda: calls.append("nested") or mhc.mhc_tail_unrolled)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    mhc.set_compile(True)
+    m, streams = _random_hc(4), _streams(5, 4, torch.float32)
+    _assert_equal(_run(m, streams), _run(reference_hc, m, streams))
+    assert calls == []

@@ -200,10 +200,30 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b)
 
 
-def _check_branch(new: CompressedMeta, old: OldCompressed, rotary: Rotary) -> None:
-    _equal(new.read_slots, old.read_slots)
-    _equal(new.read_visible, old.read_visible)
-    _equal(new.read_count, old.read_visible.sum(dim=1, keepdim=True))
+def _token_blocks(meta: AttentionMeta, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query block, row in the block) of every token."""
+    rows = meta.blocks.token_rows
+    rows = torch.arange(tokens) if rows is None else rows
+    return rows // meta.blocks.size, rows % meta.blocks.size
+
+
+def _check_window(new: AttentionMeta, old: dict[str, Any], tokens: int) -> None:
+    """Each token's visible window slots, in key order, are the old per-token ones; padded queries see
+    nothing."""
+    b, i = _token_blocks(new, tokens)
+    visible = new.window_visible[b, i]
+    _equal(visible.sum(1), old["window_visible"].sum(1))
+    _equal(new.window_slots[b][visible], old["window_slots"][old["window_visible"]])
+    assert int(new.window_visible.sum()) == int(visible.sum())
+
+
+def _check_branch(new: CompressedMeta, old: OldCompressed, rotary: Rotary, meta: AttentionMeta) -> None:
+    b, i = _token_blocks(meta, old.read_slots.shape[0])
+    _equal(new.read_slots[b], old.read_slots)
+    _equal(new.read_visible[b, i], old.read_visible)
+    rows = b * meta.blocks.size + i
+    _equal(new.read_count[rows], old.read_visible.sum(dim=1, keepdim=True))
+    assert int(new.read_count.sum()) == int(new.read_count[rows].sum())  # padding sees no row
     k = old.done.numel()
     rows = new.new_rows
     if rows is None:
@@ -238,13 +258,12 @@ def test_meta_equals_the_old_computation(
     assert new.token_slots.keys() == old["token_slots"].keys()
     for g, slots in old["token_slots"].items():
         _equal(new.token_slots[g], slots)
-    _equal(new.window_slots, old["window_slots"])
-    _equal(new.window_visible, old["window_visible"])
+    _check_window(new, old, batch.num_tokens)
     rotary = _rotary(s.cfg)["compress"]
     for name in ("csa", "hca"):
         branch = getattr(new, name)
         assert branch is not None
-        _check_branch(branch, old[name], rotary)
+        _check_branch(branch, old[name], rotary, new)
         if pad:
             rows = branch.new_rows
             assert rows is not None
@@ -337,8 +356,8 @@ def test_decode_meta_equals_build_meta(
         assert a is not None and b is not None and a.new_rows is not None and b.new_rows is not None
         n = b.read_slots.shape[1]
         _equal(a.read_slots[:, :n], b.read_slots)
-        _equal(a.read_visible[:, :n], b.read_visible)
-        assert not a.read_visible[:, n:].any()
+        _equal(a.read_visible[..., :n], b.read_visible)
+        assert not a.read_visible[..., n:].any()
         _equal(a.read_count, b.read_count)
         done = [i for i, x in enumerate(s.scheduled) if (x.start + 1) % b.rate == 0]
         k = b.new_rows.count
@@ -392,3 +411,19 @@ def test_build_meta_reads_no_device_value(kinds: list[str]) -> None:
     with _no_tolist(), watch:
         build_meta(batch, s.cfg.sliding_window, rates, rotary, torch.float32)
     assert watch.seen == []
+
+
+def test_prefill_reads_in_query_blocks_and_decode_per_query() -> None:
+    """Prefill and mixed steps group their queries (Q > 1, some padding); a decode step does not."""
+    sizes = {}
+    for kinds in (["decode"] * 5, ["prefill", "prefill"], ["prefill", "decode", "decode"]):
+        s = Scenario(GEOMETRIES[0], 3)
+        for kind in kinds:
+            s.add(kind)
+        meta = _meta(s, s.batch())
+        sizes[kinds[0] + str(len(kinds))] = meta.blocks.size
+        if meta.blocks.size > 1:
+            assert meta.blocks.token_rows is not None and meta.blocks.padded is not None
+            assert meta.window_slots.shape[0] * meta.blocks.size == meta.blocks.padded
+    assert sizes["decode5"] == 1
+    assert sizes["prefill2"] > 1 and sizes["prefill3"] > 1
