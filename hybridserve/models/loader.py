@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hybridserve.layers.quantized_linear import QuantLinear
+from hybridserve.layers.weight_layout import input_major_
 from hybridserve.models.deepseek_v4 import DeepseekV4Model, checkpoint_to_param
 from hybridserve.models.quant import (
     QuantizedModule,
@@ -85,6 +86,8 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensors: {shown}")
+    if dtype == torch.float32:
+        input_major_(model, skip={m.path for m, _ in _quantized_tensors(Path(folder)).values()})
     if native_fp8:
         for module in model.modules():
             if isinstance(module, QuantLinear):
