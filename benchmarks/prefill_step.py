@@ -74,7 +74,7 @@ def _measure(llm: LLM, args: argparse.Namespace) -> list[float]:
             ids = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
             llm._add(llm._request(ids, params), processor)
 
-    add(args.decoding, 1 << 20)
+    add(args.decoding, engine.max_request_tokens - args.prompt_len)  # they never finish here
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running):
         engine.step()
     per_step = max(1, (args.budget - args.decoding) // args.prompt_len)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
@@ -136,11 +138,7 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """``extra``: more template variables, e.g. ``tools`` (OpenAI tool definitions)."""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = _tojson
-        template = env.from_string(self.chat_template)
-        return template.render(
+        return _compiled_template(self.chat_template).render(
             **extra,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -233,6 +231,17 @@ def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
     # encode_batch releases the GIL (encode does not), so a large prompt encoded in a worker thread
     # never stalls the event loop.
     return list(hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> jinja2.Template:
+    """A chat template compiled once, not per request: compiling took ~10 ms, a sixth of the API
+    process's busy time in a burst of 64 chat requests (py-spy); rendering a compiled one is safe from
+    any thread."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
 
 
 def _raise(message: str) -> None:

@@ -11,6 +11,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import assume, given, settings
 
+from hybridserve import tokenizer as tokenizer_module
 from hybridserve.tokenizer import DEEPSEEK_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 from tests.tiny_models import SAMPLE_TEXT
 
@@ -259,3 +260,13 @@ def test_encode_chat_sentinel_avoids_characters_of_other_fields() -> None:
     ids, text = tok.encode_chat(messages)
     assert text == f"<｜User｜>{role}: a<｜Assis<｜User｜>user: \ue0021\ue002"
     assert ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_chat_template_compiles_once_per_template(chat_tok: Tokenizer) -> None:
+    """Requests render the compiled template; only a new template source compiles again."""
+    messages = [{"role": "user", "content": "hi"}]
+    first = chat_tok.apply_chat_template(messages)
+    before = tokenizer_module._compiled_template.cache_info()
+    assert chat_tok.apply_chat_template(messages) == first
+    after = tokenizer_module._compiled_template.cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
