@@ -29,8 +29,12 @@ def sink_attention(
 
     Scores in the model dtype, softmax in float32 with the sink as one more logit that is dropped
     afterwards, weights cast back to the model dtype (the reference's eager path). With ``selected``
-    the two weighted sums are added in float32 and rounded once, as one matmul over both would.
+    the two weighted sums are added in float32 and rounded once, as one matmul over both would; with one
+    query a block (decode steps) the selected keys are just more block keys.
     """
+    if selected is not None and visible.shape[1] == 1:
+        keys, visible = torch.cat([keys, selected[0]], 1), torch.cat([visible, selected[1][:, None]], 2)
+        selected = None
     B, L = keys.shape[0], keys.shape[1]
     Q, H = visible.shape[1], q.shape[1]
     width = L + (0 if selected is None else selected[0].shape[1])

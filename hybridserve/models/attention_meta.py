@@ -185,10 +185,8 @@ def _host_blocks(batch: ForwardBatch, size: int) -> _Blocks:
     nb = len(req)
     host = host_tensor(req + start + end + rows).to(batch.positions.device)
     req_t, start_t, end_t = host[: 3 * nb].view(3, nb).unbind(0)
-    public = QueryBlocks(size, host[3 * nb :], nb * size)
-    blocks = _Blocks(public, req_t, start_t, None)
-    blocks.valid = blocks.positions() < end_t[:, None]
-    return blocks
+    valid = start_t[:, None] + torch.arange(size, device=start_t.device) < end_t[:, None]
+    return _Blocks(QueryBlocks(size, host[3 * nb :], nb * size), req_t, start_t, valid)
 
 
 def _with_window(

@@ -156,10 +156,6 @@ class Attention(nn.Module):
         selected = None
         if self.indexer is not None:
             selected = self._selected_keys(x, q_res, meta, cache)
-            if meta.blocks.size == 1:  # one query a block: its selected rows are just more block keys
-                sel_keys, sel_visible = selected
-                keys, visible = torch.cat([keys, sel_keys], 1), torch.cat([visible, sel_visible[:, None]], 2)
-                selected = None
         elif self.compressor is not None:
             hca_keys, hca_visible = self._hca_keys(x, meta, cache)
             keys, visible = torch.cat([keys, hca_keys], dim=1), torch.cat([visible, hca_visible], dim=-1)

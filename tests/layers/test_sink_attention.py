@@ -67,12 +67,13 @@ def test_sink_attention_equals_the_formula(
 
 
 def test_selected_keys_are_summed_once_in_bf16() -> None:
-    """In bf16 the two weighted sums (block keys, selected keys) round once, like one matmul over both:
-    with one query a block, the same as attending to the concatenated keys."""
-    B, H, L, d = 40, 4, 6, 8
-    q, keys, visible, sinks, (sel_keys, sel_visible) = _inputs(B, 1, H, L, d, k=3)
+    """In bf16 the two weighted sums of a block (its shared keys, each query's selected keys) round once,
+    like one matmul over both: the same bits as attending query by query to the concatenated keys."""
+    B, Q, H, L, d = 20, 2, 4, 6, 8
+    q, keys, visible, sinks, (sel_keys, sel_visible) = _inputs(B, Q, H, L, d, k=3)
     q, keys, sel_keys = q.bfloat16(), keys.bfloat16(), sel_keys.bfloat16()
     got = sink_attention(q, keys, visible, sinks, 0.3, (sel_keys, sel_visible))
-    joined = torch.cat([keys, sel_keys], 1), torch.cat([visible, sel_visible[:, None]], 2)
+    per_query_keys = torch.cat([keys.repeat_interleave(Q, 0), sel_keys], 1)  # [B * Q, L + k, d]
+    per_query_visible = torch.cat([visible.flatten(0, 1), sel_visible], 1)[:, None]  # [B * Q, 1, L + k]
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, sink_attention(q, *joined, sinks, 0.3))
+    assert torch.equal(got, sink_attention(q, per_query_keys, per_query_visible, sinks, 0.3))
