@@ -68,6 +68,8 @@ class ExpertRange:
 class ParallelExperts(Experts):
     """This rank's experts; ``_expert_outputs`` runs every (token, slot) on its expert's rank."""
 
+    compiled_all_experts = False  # every (token, slot) goes to its expert's rank
+
     def __init__(
         self, experts: ExpertRange, group: ProcessGroup, hidden: int, inter: int, limit: float
     ) -> None:

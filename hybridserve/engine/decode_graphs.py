@@ -21,7 +21,9 @@ With ``compiled`` the metadata, forward and logits of the static step run throug
 few dozen kernels. The batch dim (B > 1), the table width and the row counts are marked dynamic, so one
 graph serves batch 1 and one every other bucket, at every context; after a key's first run its guards
 are skipped (see ``_replay_compiled``). On CPU the routed experts run inside the graph as the opaque
-``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops. The cache
+``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops, except where
+a batch of few tokens runs every expert in two GEMMs (``Experts.prepare_all_experts``: fp32, E <= 4k;
+its batch-size guard splits the dynamic graph in two, both compiled by :meth:`warmup`). The cache
 writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a
 copy of the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
 Compiling happens on the first step of each graph (or in :meth:`DecodeGraphRunner.warmup`); its time is
@@ -43,6 +45,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.layers.moe import prepare_all_experts
 from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
@@ -137,6 +140,8 @@ class DecodeGraphRunner:
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
         if compiled:
             self.compiled = torch.compile(self._logits, dynamic=None)
+            if device.type == "cpu":
+                prepare_all_experts(model)
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
@@ -146,9 +151,11 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= n)
 
     def warmup(self) -> float:
-        """Run dummy-only steps of batch 1 and 2 (the two graphs), so serving starts compiled; seconds."""
+        """Run dummy-only steps of batch 1, 2 and the largest bucket, so serving starts compiled; seconds.
+        Batch 1 has its own graph and batch 2 one with the batch dim dynamic; a compiled CPU step that runs
+        all experts for few tokens guards the batch size, and the largest bucket compiles its other side."""
         start = time.perf_counter()
-        for size in self.buckets[:2]:
+        for size in dict.fromkeys([*self.buckets[:2], self.buckets[-1]]):
             self.run([], size)
         return time.perf_counter() - start
 

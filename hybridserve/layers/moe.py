@@ -66,6 +66,10 @@ class Router(nn.Module):
         return weights * self.scaling, indices
 
 
+ALL_EXPERTS_MAX_WASTE = 4  # E / k: how many times the needed flops running every expert may cost
+ALL_EXPERTS_MAX_ROWS = 256  # T * E: above this many (token, expert) rows a step runs grouped
+
+
 def _grouped_outputs(
     x: torch.Tensor,
     experts: torch.Tensor,
@@ -123,20 +127,61 @@ class Experts(nn.Module):
 
     # Whether a compiled CPU step may run ``weights(None)`` through the opaque grouped_experts op.
     compiled_grouped_op = True
+    # Whether a compiled CPU step may run every expert on every token (``prepare_all_experts``).
+    compiled_all_experts = True
 
     def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
         self.gate_up = _weight(n_experts, 2 * inter, hidden)
         self.down = _weight(n_experts, hidden, inter)
         self.hidden, self.inter, self.limit = hidden, inter, limit
+        self.all_experts: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepare_all_experts
+
+    def prepare_all_experts(self, top_k: int) -> bool:
+        """Let compiled CPU steps of few tokens run every expert on every token in two GEMMs (flat fp32
+        copies of the weights: ``[D, E * 2I]`` and ``[E * I, D]``), where that wastes at most ``E / k <= 4``
+        times the flops: with one small GEMM per expert hit, a decode step of 16 tokens spent about 40% of
+        its time in the experts. -> whether it applies (fp32 on CPU, few experts per pick)."""
+        n, inter, hidden = self.gate_up.shape[0], self.inter, self.hidden
+        fp32_cpu = self.gate_up.dtype == torch.float32 and self.gate_up.device.type == "cpu"
+        if not (self.compiled_all_experts and fp32_cpu and n <= ALL_EXPERTS_MAX_WASTE * top_k):
+            return False
+        with torch.inference_mode(False):  # compiled graphs take no inference tensors
+            gate_up = self.gate_up.detach().permute(2, 0, 1).reshape(hidden, n * 2 * inter).contiguous()
+            down = self.down.detach().permute(0, 2, 1).reshape(n * inter, hidden).contiguous()
+        self.all_experts = (gate_up, down)
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each token sums its experts' outputs one by one in x's dtype, in ascending expert id order
-        (ties by slot): a fixed order, independent of the other tokens."""
+        (ties by slot): a fixed order, independent of the other tokens. A compiled CPU step of few tokens
+        may run all experts instead (``prepare_all_experts``; equal to float32 rounding)."""
+        if self._runs_all_experts(x):
+            return self._all_experts_weighted(x, weights, indices)
         experts, slot = indices.sort(dim=1, stable=True)
         y = self._expert_outputs(x, experts)
         terms = (y * weights.gather(1, slot)[..., None]).to(x.dtype)
         return functools.reduce(torch.add, terms.unbind(1))
+
+    def _runs_all_experts(self, x: torch.Tensor) -> bool:
+        """In a graph traced with the token count dynamic this is a guard (T <= rows / E): the runner warms
+        up a batch on each side (``DecodeGraphRunner.warmup``)."""
+        if self.all_experts is None or not torch.compiler.is_compiling() or x.device.type != "cpu":
+            return False
+        return x.shape[0] * self.gate_up.shape[0] <= ALL_EXPERTS_MAX_ROWS
+
+    def _all_experts_weighted(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token, the unpicked ones weighted 0, summed by the down GEMM -> [T, D]."""
+        assert self.all_experts is not None
+        gate_up, down = self.all_experts
+        t, n = x.shape[0], self.gate_up.shape[0]
+        gate, up = (x @ gate_up).view(t, n, 2 * self.inter).chunk(2, dim=-1)
+        # scatter_add: a hash table may pick one expert twice, whose weights then add up
+        picked = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_add_(1, indices, weights)
+        hidden = clamped_swiglu(gate, up, self.limit) * picked[..., None].to(x.dtype)
+        return hidden.view(t, n * self.inter) @ down
 
     def _expert_outputs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """[T, D], expert ids [T, k] -> each (token, slot)'s expert output [T, k, D]. Chosen by device,
@@ -209,3 +254,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
         return self.experts(x, weights, indices) + self.shared_experts(x)
+
+
+def prepare_all_experts(model: nn.Module) -> int:
+    """``Experts.prepare_all_experts`` on every MoE's routed experts -> how many it applies to."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    return sum(m.experts.prepare_all_experts(m.gate.top_k) for m in moes)

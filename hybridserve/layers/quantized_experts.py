@@ -20,6 +20,7 @@ class QuantizedExperts(Experts):
     """
 
     compiled_grouped_op = False  # the op takes plain weights; these are dequantised per step
+    compiled_all_experts = False  # a flat fp32 copy would undo the quantised storage
 
     def __init__(
         self,

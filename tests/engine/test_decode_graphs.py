@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.layers import moe
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 from hybridserve.models.loader import load_model
 from tests.tiny_models import VOCAB
@@ -201,22 +203,35 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
     assert all(len(t) == DECODE_STEPS for t in outputs[0])
 
 
+@pytest.mark.parametrize(
+    ("all_experts_rows", "backend", "graphs"),
+    [(256, "inductor", 2), (8, "eager", 3)],
+    ids=["all-experts-inductor", "grouped-eager"],
+)
 def test_compiled_decode_matches_eager(
-    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_checkpoint: Callable[[str], Path],
+    all_experts_rows: int,
+    backend: str,
+    graphs: int,
 ) -> None:
     """torch.compile (inductor's C++ backend on CPU) of the static step: fp32 rounding, same tokens. The
-    start-up warm-up compiles the two graphs (batch 1, and batch 2 with the batch dim dynamic); then three
-    requests decode padded to batch 4 while their CSA rows grow from 1-3 to 9, across two row buckets (4 ->
-    8 -> 16), and no graph compiles: serving never stops to compile a batch size or a longer context.
+    start-up warm-up compiles the graphs (batch 1, and batch 2 with the batch dim dynamic; the 4 experts
+    run all at once up to 64 tokens, or here up to 2, when batch 8 compiles the grouped side of that guard:
+    traced by dynamo alone, as inductor would take a CI minute more); then three requests decode padded to
+    batch 4 while their CSA rows grow from 1-3 to 9, across two row buckets (4 -> 8 -> 16), and no graph
+    compiles: serving never stops to compile a batch size or a longer context.
     Buckets from 2 rows up make the shortest CSA bucket the indexer's top-k (2) unless the runner pads
     past it, which once specialised the graph to keeping every row."""
     monkeypatch.setattr(decode_graphs, "MIN_ROW_BUCKET", 2)
+    monkeypatch.setattr(moe, "ALL_EXPERTS_MAX_ROWS", all_experts_rows)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     model = load_model(tiny_checkpoint("csa_heavy"), torch.float32, "cpu")
     plain, _ = _run(model, (9, 5, 7), graphs=False)
     torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == graphs
     _assert_matches(plain, compiled, pools)
 
 
@@ -230,11 +245,12 @@ def test_compile_decode_takes_the_fixed_layout() -> None:
 
 
 def test_warmup_runs_dummy_steps_only(tiny_checkpoint: Callable[[str], Path]) -> None:
-    """Start-up warm-up: batch 1 and 2 of dummies only; nothing allocated, the null blocks zero again."""
+    """Start-up warm-up: batch 1, 2 and the largest bucket (8), of dummies only; nothing allocated, the null
+    blocks zero again."""
     model = load_model(tiny_checkpoint("mixed"), torch.float32, "cpu")
     pools, coord = _cache(model, 32)
     runner = DecodeGraphRunner(model, pools, coord, torch.device("cpu"), 8, MAX_LEN)
     assert runner.warmup() >= 0
-    assert sorted(key[0] for key in runner.entries) == [1, 2]
+    assert sorted(key[0] for key in runner.entries) == [1, 2, 8]
     assert all(entry.ran for entry in runner.entries.values())
     assert _null_rows_zero(pools) and pools.all_free()

@@ -185,3 +185,29 @@ def test_compiled_cpu_experts_run_grouped_and_equal_eager_bit_for_bit(
         compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")(x, w, idx)
     assert torch.equal(compiled, eager)
     assert_close(eager, per_token_reference(experts, x, w, idx), torch.float32)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("n_tokens", [1, 5, 32])
+def test_all_experts_form_matches_per_token_reference(
+    monkeypatch: pytest.MonkeyPatch, n_tokens: int, top_k: int
+) -> None:
+    """Every expert on every token in two GEMMs, the unpicked ones weighted 0 (a hash table's repeated
+    expert counted twice): equal to the per-token sum to float32 rounding, and under torch.compile the
+    path a step of few tokens takes."""
+    experts = make_experts(4, torch.float32)
+    assert experts.prepare_all_experts(top_k=top_k)  # 4 experts: at most 4 x the needed flops
+    x, w, idx = hash_routed(n_tokens, top_k, 4, torch.float32, seed=n_tokens)
+    with torch.no_grad():
+        expected = per_token_reference(experts, x, w, idx)
+        assert_close(experts._all_experts_weighted(x, w, idx), expected, torch.float32)
+        monkeypatch.setattr(Experts, "_expert_outputs", lambda *a: pytest.fail("per-expert under compile"))
+        torch._dynamo.reset()
+        compiled = torch.compile(experts, fullgraph=True, backend="eager")
+        assert_close(compiled(x, w, idx), expected, torch.float32)
+
+
+def test_all_experts_is_refused_where_it_would_waste() -> None:
+    """Many experts per pick, or bf16 weights: the flat copies would cost more than they save."""
+    assert not make_experts(64, torch.float32).prepare_all_experts(top_k=2)
+    assert not make_experts(4, torch.bfloat16).prepare_all_experts(top_k=2)
