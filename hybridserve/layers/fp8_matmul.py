@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 128
+# cuBLASLt reads the activations' scale grid column by column, each column M floats long; a column that
+# does not start 16-byte aligned (M not a multiple of 4) is refused (CUBLAS_STATUS_NOT_SUPPORTED, H200).
+ROW_ALIGN = 4
 _CHECK_RTOL = 2e-2
 logger = logging.getLogger(__name__)
 
@@ -53,9 +56,13 @@ def native(
 ) -> torch.Tensor:
     """``scaled_mm`` of x [M, K] and weight.T [K, N] with blockwise scales laid out as torch's own samples
     lay them: x's [M, K/128] stored K-block-major, the weight's [K/128, N/128] as the transpose of the
-    contiguous [N/128, K/128] grid."""
+    contiguous [N/128, K/128] grid. M is padded to a multiple of ``ROW_ALIGN`` (zero rows, unit scales)."""
+    m, pad = xq.shape[0], -xq.shape[0] % ROW_ALIGN
+    if pad:
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)  # zero bytes: e4m3 zeros
+        x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
     recipe = F.ScalingType
-    return F.scaled_mm(
+    y = F.scaled_mm(
         xq,
         weight.T,
         x_scale.T.contiguous().T,
@@ -64,6 +71,7 @@ def native(
         recipe.BlockWise128x128,
         output_dtype=dtype,
     )
+    return y[:m]
 
 
 def checked_native(

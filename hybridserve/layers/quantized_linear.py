@@ -72,7 +72,12 @@ class QuantLinear(nn.Module):
     def _native(self, x: torch.Tensor) -> torch.Tensor | None:
         w_scale = scale_values(self.scale)
         if self.native_fp8 == "on":
-            return fp8_matmul.native(*fp8_matmul.quantize_activations(x), self.weight, w_scale, x.dtype)
+            try:
+                return fp8_matmul.native(*fp8_matmul.quantize_activations(x), self.weight, w_scale, x.dtype)
+            except (RuntimeError, ValueError) as exc:  # a shape the first call did not have; fail no step
+                fp8_matmul.logger.warning("%r: native FP8 matmul refused %s; dequantising", self, exc)
+                self.native_fp8 = "off"
+                return None
         y = fp8_matmul.checked_native(x, self.weight, w_scale, repr(self))
         self.native_fp8 = "on" if y is not None else "off"
         return y

@@ -166,15 +166,67 @@ def test_native_fp8_falls_back_to_dequantising_where_torch_refuses(caplog: pytes
         assert layer.native_fp8 == "off" and "native FP8 matmul unavailable" in caplog.text
 
 
+def _strict_scaled_mm(
+    xq: torch.Tensor,
+    w_t: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_recipe: object,
+    w_scale_t: torch.Tensor,
+    w_recipe: object,
+    output_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``F.scaled_mm`` with blockwise scales as cuBLASLt takes them on an H200: the activations' scale
+    columns must start 16-byte aligned (seen: M = 7 refused with CUBLAS_STATUS_NOT_SUPPORTED)."""
+    if x_scale.stride(1) * x_scale.element_size() % 16:
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    return fp8_matmul.emulated(xq, x_scale, w_t.T, w_scale_t.T).to(output_dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
+def test_native_fp8_pads_rows_to_aligned_scale_columns(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    monkeypatch.setattr(F, "scaled_mm", _strict_scaled_mm, raising=False)
+    monkeypatch.setattr(
+        F, "ScalingType", type("S", (), {"BlockWise1x128": 0, "BlockWise128x128": 1}), raising=False
+    )
+    layer = _fp8_layer()
+    xq, sx = fp8_matmul.quantize_activations(torch.randn(rows, 512))
+    w_scale = scale_values(layer.scale)
+    got = fp8_matmul.native(xq, sx, layer.weight, w_scale, torch.float32)
+    want = fp8_matmul.emulated(xq, sx, layer.weight, w_scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # a 1-row GEMV rounds unlike a GEMM
+
+
+def test_a_later_native_fp8_refusal_dequantises_instead_of_failing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checked once at its first shape, a layer may meet a shape cuBLAS refuses: that step dequantises."""
+    layer = _fp8_layer()
+    layer.native_fp8 = "on"
+
+    def refuse(*args: object) -> torch.Tensor:
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(fp8_matmul, "native", refuse)
+    x = torch.randn(3, 512).bfloat16()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(layer(x), F.linear(x, layer.dense_weight(torch.bfloat16)))
+    assert layer.native_fp8 == "off" and "refused" in caplog.text
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not fp8_matmul.device_supported(torch.device("cuda")),
     reason="needs a CUDA device of compute capability 9.0+",
 )
-def test_native_fp8_matmul_agrees_with_its_float32_arithmetic_on_cuda() -> None:
+@pytest.mark.parametrize("rows", [(7,), (8, 7), (1, 2, 128)])
+def test_native_fp8_matmul_agrees_with_its_float32_arithmetic_on_cuda(rows: tuple[int, ...]) -> None:
+    """Every row count multiplies natively, whichever came first (the first call checks the layer)."""
     layer = _fp8_layer().to("cuda")
     assert layer.enable_native_fp8()
-    x = torch.randn(7, 512, device="cuda").bfloat16()
-    first, again = layer(x), layer(x)
-    assert layer.native_fp8 == "on" and torch.equal(first, again)
-    ref = fp8_matmul.emulated(*fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale))
-    torch.testing.assert_close(first.float(), ref, atol=2e-2, rtol=2e-2)
+    for m in rows:
+        x = torch.randn(m, 512, device="cuda").bfloat16()
+        first, again = layer(x), layer(x)
+        assert layer.native_fp8 == "on" and torch.equal(first, again)
+        ref = fp8_matmul.emulated(
+            *fp8_matmul.quantize_activations(x), layer.weight, scale_values(layer.scale)
+        )
+        torch.testing.assert_close(first.float(), ref, atol=2e-2, rtol=2e-2)
