@@ -49,15 +49,20 @@ def _param(*shape: int) -> nn.Parameter:
     return keep_fp32(nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False))
 
 
+def _constant(value: float, device: torch.device) -> torch.Tensor | float:
+    """``value`` as a cached 0-dim float32 tensor in eager mode: adding it is the same float op as adding
+    ``value``, minus the cost of wrapping a Python scalar into a tensor on every call (about half of a
+    tiny op's time). Traced code gets the plain float (the graph holds it as a constant anyway)."""
+    return value if torch.compiler.is_compiling() else _cached_constant(value, device)
+
+
 @functools.cache
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 tensor: adding it is the same float op as adding ``value``, minus the cost of
-    wrapping a Python scalar into a tensor on every call (about half of a tiny op's time)."""
+def _cached_constant(value: float, device: torch.device) -> torch.Tensor:
     with torch.inference_mode(False):
         return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def _rms_normed(flat: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+def _rms_normed(flat: torch.Tensor, eps: torch.Tensor | float) -> torch.Tensor:
     """``unweighted_rms_norm`` of a float32 ``flat`` [T, N] with the same ops, minus no-op casts."""
     return flat * flat.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
 
@@ -67,7 +72,7 @@ def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-def _sinkhorn_(comb: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
+def _sinkhorn_(comb: torch.Tensor, iters: int, eps: torch.Tensor | float) -> torch.Tensor:
     """Sinkhorn-Knopp in place on ``comb`` [T, hc, hc] (column pass first, as the reference)."""
     t, hc, _ = comb.shape
     col, row = comb.new_empty(t, 1, hc), comb.new_empty(t, hc, 1)

@@ -66,7 +66,7 @@ class QueryBlocks:
     [B * size] hold block b's queries at b * size + i, the rest are padding (they see nothing)."""
 
     size: int
-    token_rows: torch.Tensor | None  # [T] padded row of each token; None: the identity (size 1)
+    token_rows: torch.Tensor | None  # [T] padded row of each token; None: the identity (no padding)
     padded: int | None  # B * size when ``token_rows`` is set
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +186,8 @@ def _host_blocks(batch: ForwardBatch, size: int) -> _Blocks:
     host = host_tensor(req + start + end + rows).to(batch.positions.device)
     req_t, start_t, end_t = host[: 3 * nb].view(3, nb).unbind(0)
     valid = start_t[:, None] + torch.arange(size, device=start_t.device) < end_t[:, None]
+    if len(rows) == nb * size:  # every block full: the padded rows are the token rows
+        return _Blocks(QueryBlocks(size, None, None), req_t, start_t, valid)
     return _Blocks(QueryBlocks(size, host[3 * nb :], nb * size), req_t, start_t, valid)
 
 
