@@ -68,6 +68,9 @@ class Router(nn.Module):
 
 ALL_EXPERTS_MAX_WASTE = 4  # E / k: how many times the needed flops running every expert may cost
 ALL_EXPERTS_MAX_ROWS = 256  # T * E: above this many (token, expert) rows a step runs grouped
+# One layer's routed experts: bigger ones stream E / k times the bytes a step needs (the GEMMs are then
+# memory-bound, not call-bound), and their flat copies would cost real memory.
+ALL_EXPERTS_MAX_BYTES = 8 << 20
 
 
 def _grouped_outputs(
@@ -141,10 +144,12 @@ class Experts(nn.Module):
         """Let compiled CPU steps of few tokens run every expert on every token in two GEMMs (flat fp32
         copies of the weights: ``[D, E * 2I]`` and ``[E * I, D]``), where that wastes at most ``E / k <= 4``
         times the flops: with one small GEMM per expert hit, a decode step of 16 tokens spent about 40% of
-        its time in the experts. -> whether it applies (fp32 on CPU, few experts per pick)."""
+        its time in the experts. -> whether it applies (fp32 on CPU, few experts per pick, small experts:
+        ``ALL_EXPERTS_MAX_BYTES``)."""
         n, inter, hidden = self.gate_up.shape[0], self.inter, self.hidden
         fp32_cpu = self.gate_up.dtype == torch.float32 and self.gate_up.device.type == "cpu"
-        if not (self.compiled_all_experts and fp32_cpu and n <= ALL_EXPERTS_MAX_WASTE * top_k):
+        small = (self.gate_up.numel() + self.down.numel()) * 4 <= ALL_EXPERTS_MAX_BYTES
+        if not (self.compiled_all_experts and fp32_cpu and small and n <= ALL_EXPERTS_MAX_WASTE * top_k):
             return False
         with torch.inference_mode(False):  # compiled graphs take no inference tensors
             gate_up = self.gate_up.detach().permute(2, 0, 1).reshape(hidden, n * 2 * inter).contiguous()

@@ -207,7 +207,13 @@ def test_all_experts_form_matches_per_token_reference(
         assert_close(compiled(x, w, idx), expected, torch.float32)
 
 
-def test_all_experts_is_refused_where_it_would_waste() -> None:
-    """Many experts per pick, or bf16 weights: the flat copies would cost more than they save."""
+def test_all_experts_is_refused_where_it_would_waste(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many experts per pick, bf16 weights, or experts big enough that streaming every one costs more
+    than the calls it saves: the flat copies would cost more than they save."""
     assert not make_experts(64, torch.float32).prepare_all_experts(top_k=2)
     assert not make_experts(4, torch.bfloat16).prepare_all_experts(top_k=2)
+    experts = make_experts(4, torch.float32)
+    monkeypatch.setattr(
+        moe, "ALL_EXPERTS_MAX_BYTES", (experts.gate_up.numel() + experts.down.numel()) * 4 - 1
+    )
+    assert not experts.prepare_all_experts(top_k=2) and experts.all_experts is None
