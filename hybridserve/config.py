@@ -146,7 +146,8 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "pure-decode steps over bucketed static shapes through torch.compile, with the fixed "
-            "cache layout (off by default: compiling one graph takes 20-90 s on a small CPU machine)"
+            "cache layout (off by default: start-up compiles for 1-3 minutes on a small CPU machine, about "
+            "150 s on an H200; inductor caches the result on disk)"
         },
     )
     dequantize_weights: bool = field(
