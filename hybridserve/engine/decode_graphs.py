@@ -22,8 +22,9 @@ few dozen kernels. The batch dim (B > 1), the table width and the row counts are
 graph serves batch 1 and one every other bucket, at every context; after a key's first run its guards
 are skipped (see ``_replay_compiled``). On CPU the routed experts run inside the graph as the opaque
 ``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops, except where
-a batch of few tokens runs every expert in two GEMMs (``Experts.prepare_all_experts``: fp32, E <= 4k;
-its batch-size guard splits the dynamic graph in two, both compiled by :meth:`warmup`). The cache
+a batch of few tokens runs every expert in two GEMMs (``Experts.prepare_all_experts``: small fp32
+experts, E <= 4k; its batch-size guard splits the dynamic graph in two, both compiled by
+:meth:`warmup`). The cache
 writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a
 copy of the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
 On CPU the generated code's wrapper (which allocates the buffers and calls the kernels) is C++ too

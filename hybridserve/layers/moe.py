@@ -148,7 +148,8 @@ class Experts(nn.Module):
         ``ALL_EXPERTS_MAX_BYTES``)."""
         n, inter, hidden = self.gate_up.shape[0], self.inter, self.hidden
         fp32_cpu = self.gate_up.dtype == torch.float32 and self.gate_up.device.type == "cpu"
-        small = (self.gate_up.numel() + self.down.numel()) * 4 <= ALL_EXPERTS_MAX_BYTES
+        nbytes = (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
+        small = nbytes <= ALL_EXPERTS_MAX_BYTES
         if not (self.compiled_all_experts and fp32_cpu and small and n <= ALL_EXPERTS_MAX_WASTE * top_k):
             return False
         with torch.inference_mode(False):  # compiled graphs take no inference tensors

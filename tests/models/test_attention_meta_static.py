@@ -424,7 +424,9 @@ def test_prefill_reads_in_query_blocks_and_decode_per_query() -> None:
         meta = _meta(s, s.batch())
         sizes[kinds[0] + str(len(kinds))] = meta.blocks.size
         if meta.blocks.size > 1:
-            padded = meta.blocks.padded if meta.blocks.token_rows is not None else len(s.batch().input_ids)
-            assert meta.window_slots.shape[0] * meta.blocks.size == padded
+            tokens = len(s.batch().input_ids)
+            padded = tokens if meta.blocks.token_rows is None else meta.blocks.padded
+            assert padded is not None and meta.window_slots.shape[0] * meta.blocks.size == padded
+            assert (meta.blocks.token_rows is None) == (padded == tokens)  # pad rows only where needed
     assert sizes["decode5"] == 1
     assert sizes["prefill2"] > 1 and sizes["prefill3"] > 1
