@@ -46,6 +46,7 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.engine.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import prepare_all_experts
@@ -68,10 +69,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 def row_bucket(n: int, most: int, least: int = MIN_ROW_BUCKET) -> int:
     """The padded compressed-row count for ``n`` rows: a power of two >= ``least``, capped at ``most``."""
     return min(max(least, 1 << max(n - 1, 0).bit_length()), max(most, n))
-
-
-def is_pure_decode(scheduled: list[ScheduledRequest]) -> bool:
-    return bool(scheduled) and all(s.num_tokens == 1 for s in scheduled)
 
 
 def table_width(width: int) -> int:
@@ -151,7 +148,10 @@ class DecodeGraphRunner:
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
-        return is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1]
+        """A step of one-token rows only (decodes, or one-token prompt chunks that gather no prompt
+        logprobs: the static step computes no prompt logprobs), no more than the largest bucket."""
+        one_token = all(s.num_tokens == 1 and not gathers_prompt_logprobs(s) for s in scheduled)
+        return bool(scheduled) and one_token and len(scheduled) <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -21,15 +21,22 @@ def gather_prompt_logprobs(
         req, first = s.request, offset
         offset += s.num_tokens
         n = req.params.prompt_logprobs
-        end = min(s.end, len(req.prompt_token_ids) - 1)
-        if n is None or req.output_token_ids or s.start >= end:
+        if n is None or not gathers_prompt_logprobs(s):
             continue
+        end = min(s.end, len(req.prompt_token_ids) - 1)
         del req.prompt_logprobs[s.start :]  # a recompute after preemption overwrites
         for lo in range(s.start, end, CHUNK_ROWS):
             hi = min(end, lo + CHUNK_ROWS)
             rows = streams[first + lo - s.start : first + hi - s.start]
             targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1], device=rows.device)
             req.prompt_logprobs += _entries(model.compute_logits(rows).float(), targets, n)
+
+
+def gathers_prompt_logprobs(s: ScheduledRequest) -> bool:
+    """Whether this step's rows give prompt logprobs the request asked for."""
+    req = s.request
+    wanted = req.params.prompt_logprobs is not None and not req.output_token_ids
+    return wanted and s.start < min(s.end, len(req.prompt_token_ids) - 1)
 
 
 def _entries(logits: torch.Tensor, targets: torch.Tensor, n: int) -> list[dict[int, Logprob]]:

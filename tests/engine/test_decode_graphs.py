@@ -173,6 +173,23 @@ def test_static_buffers_without_padding_are_bit_identical(
     assert _null_rows_zero(pools)
 
 
+def _llm(checkpoint: Path, graphs: bool, **kwargs: int) -> LLM:
+    """The offline engine on ``checkpoint`` with ModelRunner(decode_graphs=graphs) (its eager static path)."""
+    llm = LLM(str(checkpoint), block_tokens=8, max_num_seqs=8, **kwargs)
+    core = llm.engine
+    core.runner = ModelRunner(
+        core.model,
+        core.pools,
+        core.coordinator,
+        core.runner.sampler,
+        core.device,
+        decode_graphs=graphs,
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+    )
+    return llm
+
+
 @pytest.mark.parametrize("name", ["mixed", "csa_heavy"])
 def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], Path]) -> None:
     """Through the engine: ModelRunner(decode_graphs=True) generates the plain runner's greedy tokens."""
@@ -181,19 +198,8 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
     outputs = []
     for graphs in (False, True):
-        llm = LLM(str(tiny_checkpoint(name)), block_tokens=8, max_num_seqs=8)
+        llm = _llm(tiny_checkpoint(name), graphs)
         core = llm.engine
-        runner = core.runner
-        core.runner = ModelRunner(
-            core.model,
-            core.pools,
-            core.coordinator,
-            runner.sampler,
-            core.device,
-            decode_graphs=graphs,
-            max_num_seqs=8,
-            max_model_len=MAX_LEN,
-        )
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         core.pools.check_integrity()
         if graphs:
@@ -201,6 +207,23 @@ def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], 
             assert _null_rows_zero(core.pools)
     assert outputs[0] == outputs[1]
     assert all(len(t) == DECODE_STEPS for t in outputs[0])
+
+
+def test_one_token_prompt_chunks_keep_their_prompt_logprobs(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """A step of one-token rows is not a decode step when a row's prompt chunk gathers prompt logprobs
+    (the static step computes none): with a 1-token budget every prompt token is such a step."""
+    prompt = list(range(3, 12))
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    outs = [
+        _llm(tiny_checkpoint("mixed"), graphs, max_num_batched_tokens=1).generate([prompt], params)[0]
+        for graphs in (False, True)
+    ]
+    plain, static = (o.prompt_logprobs for o in outs)
+    assert plain is not None and static is not None and len(plain) == len(static) == len(prompt)
+    for a, b in zip(plain[1:], static[1:], strict=True):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
