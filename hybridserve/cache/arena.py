@@ -216,7 +216,7 @@ class ArenaBlockPool(BlockPool):
         self._referenced += 1
         return block
 
-    def _zero(self, blocks: list[int]) -> None:
+    def _zero_now(self, blocks: list[int]) -> None:
         if blocks:
             view = self.arena.storage.view(self.plan.num_blocks, self.layout.block_stride)
             view.index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=view.device), 0)

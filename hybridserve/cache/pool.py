@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self.num_evicted = 0  # cached blocks handed out again (their prefix forgotten)
+        self._deferred: list[int] | None = None  # blocks to zero at once (BlockPoolSet.zeroing_batched)
 
     def _make_tensors(self, device: torch.device | str) -> dict[tuple[str, str], torch.Tensor]:
         rows = self.plan.num_blocks * self.plan.rows_per_block
@@ -84,9 +87,20 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
+    def defer_zeroing(self) -> None:
+        self._deferred = []
+
+    def flush_zeroing(self) -> None:
+        blocks, self._deferred = self._deferred or [], None
+        self._zero(blocks)
+
     def _zero(self, blocks: list[int]) -> None:
-        if not blocks:
-            return
+        if self._deferred is not None:
+            self._deferred += blocks
+        elif blocks:
+            self._zero_now(blocks)
+
+    def _zero_now(self, blocks: list[int]) -> None:
         r = self.plan.rows_per_block
         idx = torch.tensor(blocks, dtype=torch.long)
         rows = (idx[:, None] * r + torch.arange(r)).flatten()
@@ -224,6 +238,18 @@ class BlockPoolSet:
             out[name], used = pool.allocate_pages(max(0, n), pool.pages_needed(n), spare)
             spare -= used
         return out
+
+    @contextmanager
+    def zeroing_batched(self) -> Iterator[None]:
+        """Zero the blocks handed out inside together on leaving: one fill per tensor, not one per request
+        (a decode step's requests cross block boundaries together). Nothing may touch them before."""
+        for pool in self.pools.values():
+            pool.defer_zeroing()
+        try:
+            yield
+        finally:
+            for pool in self.pools.values():
+                pool.flush_zeroing()
 
     def tensors(self) -> dict[tuple[str, str, str], torch.Tensor]:
         """Every cache tensor, keyed by (group, layer, field)."""

@@ -127,6 +127,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        with self.coordinator.pools.zeroing_batched():  # new blocks zeroed once for the whole step
+            return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         chosen: dict[str, ScheduledRequest] = {}
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival_time))

@@ -52,3 +52,40 @@ def test_uncached_blocks_are_reused_before_cached_ones() -> None:
     assert pool.lookup(b"hash-a") is None
     pool.free([a, c])
     pool.check_integrity()
+
+
+def test_zeroing_batched_zeroes_every_block_handed_out_inside_once_on_leaving() -> None:
+    """A step's allocations (one per request) are zeroed together when the scheduler leaves the batch."""
+    pools = _pools(8)
+    for t in pools.tensors().values():
+        t.fill_(7.0)
+    calls = 0
+    fill = torch.Tensor.index_fill_
+
+    def counting(self: torch.Tensor, *args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return fill(self, *args)  # type: ignore[arg-type]
+
+    torch.Tensor.index_fill_ = counting  # type: ignore[method-assign,assignment]
+    try:
+        with pools.zeroing_batched():
+            first = pools.allocate({"win": 2, "rows": 1})
+            second = pools.allocate({"win": 1, "rows": 2})
+            assert first is not None and second is not None
+            assert calls == 0  # nothing zeroed yet
+    finally:
+        torch.Tensor.index_fill_ = fill  # type: ignore[method-assign]
+    assert calls == len(pools["win"].tensors) + len(pools["rows"].tensors)  # one fill per tensor
+    for name in ("win", "rows"):
+        pool = pools[name]
+        taken = set(first[name] + second[name])
+        for t in pool.tensors.values():
+            blocks = t.view(pool.num_blocks, pool.plan.rows_per_block, -1)
+            for b in range(pool.num_blocks):
+                assert torch.all(blocks[b] == (0.0 if b in taken else 7.0)), (name, b)
+    later = pools["win"].allocate(1)  # outside a batch: zeroed at once
+    pool = pools["win"]
+    assert torch.all(
+        pool.tensors[("l0", "kv")].view(pool.num_blocks, pool.plan.rows_per_block, -1)[later[0]] == 0
+    )
