@@ -192,3 +192,19 @@ def test_greedy_is_the_argmax_and_ordinary_probs_are_the_tempered_softmax() -> N
     reqs = [_request(SamplingParams(temperature=t), [1]) for t in (0.3, 1.0, 1.7)]
     expected = torch.softmax(logits / torch.tensor([0.3, 1.0, 1.7])[:, None], dim=-1)
     torch.testing.assert_close(_filtered_probs(logits, reqs), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from([-INF, -2.0, 0.0, 1.0, 3e38, INF]), min_size=9, max_size=9),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_greedy_takes_the_first_of_equal_maxima(rows: list[list[float]]) -> None:
+    """Greedy is torch's argmax (the first of tied maxima) of the finite logits, however it is computed."""
+    reqs = [_request(SamplingParams(temperature=0.0), [3]) for _ in rows]
+    logits = torch.tensor(rows)
+    expected = torch.nan_to_num(logits, posinf=torch.finfo(torch.float32).max).argmax(dim=-1).tolist()
+    assert [r.token_id for r in _sample(logits, *reqs)] == expected
