@@ -22,11 +22,11 @@ few dozen kernels. The batch dim (B > 1), the table width and the row counts are
 graph serves batch 1 and one every other bucket, at every context; after a key's first run its guards
 are skipped (see ``_replay_compiled``). On CPU the routed experts run inside the graph as the opaque
 ``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops, except where
-a batch of few tokens runs every expert in two GEMMs (``Experts.prepare_all_experts``: small fp32
-experts, E <= 4k; its batch-size guard splits the dynamic graph in two, both compiled by
-:meth:`warmup`). The cache
-writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_`` into a graph input becomes a
-copy of the whole pool tensor), and the null-block zeroing runs eagerly after the graph for the same reason.
+a batch of few tokens runs every expert in two GEMMs (``DeepseekV4Model.prepare_compiled_decode``: small
+fp32 experts, E <= 4k; its batch-size guard splits the dynamic graph in two, both compiled by
+:meth:`warmup`). The cache writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_``
+into a graph input becomes a copy of the whole pool tensor), and the null-block zeroing runs eagerly after
+the graph for the same reason.
 On CPU the generated code's wrapper (which allocates the buffers and calls the kernels) is C++ too
 (inductor's ``cpp_wrapper``). Compiling happens on the first step of each graph (or in
 :meth:`DecodeGraphRunner.warmup`); its time is logged and kept in ``compile_seconds``, and inductor caches
@@ -49,7 +49,6 @@ from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.engine.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.layers.moe import prepare_all_experts
 from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
@@ -143,8 +142,7 @@ class DecodeGraphRunner:
             # a step allocating, viewing and checking buffers, a quarter of a batch-1 step.
             options: dict[str, Any] | None = {"cpp_wrapper": True} if device.type == "cpu" else None
             self.compiled = torch.compile(self._logits, dynamic=None, options=options)
-            if device.type == "cpu":
-                prepare_all_experts(model)
+            model.prepare_compiled_decode()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:

@@ -19,7 +19,7 @@ from hybridserve.layers.attention import sink_attention
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
-from hybridserve.layers.moe import MoE
+from hybridserve.layers.moe import MoE, prepare_all_experts
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
 from hybridserve.layers.quantized_linear import dense_weight
 from hybridserve.layers.rope import Rotary, apply_rope
@@ -327,6 +327,11 @@ class DeepseekV4Model(nn.Module):
         """A padded pure-decode batch's metadata from its device tensors (``attention_meta.decode_meta``)."""
         rates, rotary = self.compress_rates(), self.rotary()
         return decode_meta(batch, rows, max_position, self.cfg.sliding_window, rates, rotary, self.dtype)
+
+    def prepare_compiled_decode(self) -> int:
+        """Ready the weights a compiled CPU decode step reads: flat copies of small routed experts, run all
+        at once for few tokens (``Experts.prepare_all_experts``) -> how many MoEs take that form."""
+        return prepare_all_experts(self)
 
     @torch.no_grad()  # not inference_mode: compiled decode steps take normal tensors
     def forward(
