@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.layers.gather import gather_rows
+
 SCALE_BLOCK = 64
 NOPE, SCALE, ROPE = ".e4m3", ".scale", ".rope"
 Key = tuple[str, str, str]
@@ -44,10 +46,10 @@ def write_rows(cache: dict[Key, torch.Tensor], key: Key, slots: torch.Tensor, ro
 def read_rows(cache: dict[Key, torch.Tensor], key: Key, index: torch.Tensor) -> torch.Tensor:
     plain = cache.get(key)
     if plain is not None:
-        return plain[index]
-    rope = cache[_part(key, ROPE)][index]
-    codes = cache[_part(key, NOPE)][index].view(torch.float8_e4m3fn)
-    nope = dequantize_rows(codes, cache[_part(key, SCALE)][index], rope.dtype)
+        return gather_rows(plain, index)
+    rope = gather_rows(cache[_part(key, ROPE)], index)
+    codes = gather_rows(cache[_part(key, NOPE)], index).view(torch.float8_e4m3fn)
+    nope = dequantize_rows(codes, gather_rows(cache[_part(key, SCALE)], index), rope.dtype)
     return torch.cat([nope, rope], dim=-1)
 
 

@@ -18,6 +18,7 @@ from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.attention import sink_attention
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
+from hybridserve.layers.gather import gather_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
 from hybridserve.layers.moe import MoE, prepare_all_experts
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
@@ -219,7 +220,8 @@ class Attention(nn.Module):
         new = cm.new_rows
         if new is None:
             return
-        pooled = comp.compress(kv_rows[new.src_slots], gate_rows[new.src_slots], new.src_valid)
+        src = new.src_slots
+        pooled = comp.compress(gather_rows(kv_rows, src), gather_rows(gate_rows, src), new.src_valid)
         write_rows(cache, (rows, self.key, fields[2]), new.slots, apply_rope(pooled, *new.rope))
 
 
