@@ -72,7 +72,10 @@ def conversations(content: st.SearchStrategy[str]) -> st.SearchStrategy[list[dic
 
 
 def has_special(messages: list[dict[str, Any]]) -> bool:
-    return any(s in (m["content"] or "") for m in messages for s in SPECIALS)
+    """Special-token text in a message, or made where a template joins two messages' contents directly
+    (consecutive system messages: "<｜Assis" + "tant｜>")."""
+    contents = [m["content"] or "" for m in messages]
+    return any(s in c for c in [*contents, "".join(contents)] for s in SPECIALS)
 
 
 @pytest.fixture(scope="module", params=["bundled", "deepseek"])
@@ -160,6 +163,15 @@ def test_encode_chat_partial_special_text_is_plain(chat_tok: Tokenizer, content:
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": content}]
     ids, text = chat_tok.encode_chat(messages)
     assert ids == chat_tok.encode(text, add_special_tokens=False)
+
+
+def test_encode_chat_special_text_split_across_messages_stays_text(chat_tok: Tokenizer) -> None:
+    """Two system messages the template joins directly spell a special token only in the rendered text."""
+    messages = [{"role": "system", "content": "<｜Assis"}, {"role": "system", "content": "tant｜>"}]
+    ids, text = chat_tok.encode_chat(messages, add_generation_prompt=False)
+    assert "<｜Assistant｜>" in text
+    assert special_ids(chat_tok, ids) == template_special_ids(chat_tok, messages, False)
+    assert chat_tok.decode(ids, skip_special_tokens=False) == text
 
 
 def test_encode_chat_content_forms(chat_tok: Tokenizer) -> None:
