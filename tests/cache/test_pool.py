@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -54,29 +56,33 @@ def test_uncached_blocks_are_reused_before_cached_ones() -> None:
     pool.check_integrity()
 
 
-def test_zeroing_batched_zeroes_every_block_handed_out_inside_once_on_leaving() -> None:
+def test_zeroing_batched_zeroes_every_block_handed_out_inside_once_on_leaving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A step's allocations (one per request) are zeroed together when the scheduler leaves the batch."""
     pools = _pools(8)
     for t in pools.tensors().values():
         t.fill_(7.0)
-    calls = 0
-    fill = torch.Tensor.index_fill_
+    zeroed: dict[str, list[list[int]]] = {name: [] for name in pools.pools}
+    for name, p in pools.pools.items():
+        real = p._zero_now
 
-    def counting(self: torch.Tensor, *args: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return fill(self, *args)  # type: ignore[arg-type]
+        def recording(blocks: list[int], name: str = name, real: Callable[[list[int]], None] = real) -> None:
+            zeroed[name].append(list(blocks))
+            real(blocks)
 
-    torch.Tensor.index_fill_ = counting  # type: ignore[method-assign,assignment]
-    try:
-        with pools.zeroing_batched():
-            first = pools.allocate({"win": 2, "rows": 1})
-            second = pools.allocate({"win": 1, "rows": 2})
-            assert first is not None and second is not None
-            assert calls == 0  # nothing zeroed yet
-    finally:
-        torch.Tensor.index_fill_ = fill  # type: ignore[method-assign]
-    assert calls == len(pools["win"].tensors) + len(pools["rows"].tensors)  # one fill per tensor
+        monkeypatch.setattr(p, "_zero_now", recording)
+    with pools.zeroing_batched():
+        first = pools.allocate({"win": 2, "rows": 1})
+        second = pools.allocate({"win": 1, "rows": 2})
+        assert first is not None and second is not None
+        assert not any(zeroed.values())  # nothing zeroed yet
+    # one fill per group (one index_fill_ per tensor) holding both allocations' blocks
+    assert zeroed == {
+        "win": [first["win"] + second["win"]],
+        "rows": [first["rows"] + second["rows"]],
+        "state": [],
+    }
     for name in ("win", "rows"):
         pool = pools[name]
         taken = set(first[name] + second[name])
