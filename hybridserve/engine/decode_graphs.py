@@ -19,14 +19,14 @@ window design's invariant (the null block is all zeros) between steps.
 With ``compiled`` the metadata, forward and logits of the static step run through ``torch.compile``
 (inductor: C++ loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a
 few dozen kernels. The batch dim (B > 1), the table width and the row counts are marked dynamic, so one
-graph serves batch 1 and one every other bucket, at every context; after a key's first run its guards
-are skipped (see ``_replay_compiled``). On CPU the routed experts run inside the graph as the opaque
-``hybridserve::grouped_experts`` op (``layers/moe.py``), the eager grouped path's own ops, except where
-a batch of few tokens runs every expert in two GEMMs (``DeepseekV4Model.prepare_compiled_decode``: small
-fp32 experts, E <= 4k; its batch-size guard splits the dynamic graph in two, both compiled by
-:meth:`warmup`). The cache writes are ``index_put_`` (which inductor keeps in place; an ``index_copy_``
-into a graph input becomes a copy of the whole pool tensor), and the null-block zeroing runs eagerly after
-the graph for the same reason.
+graph serves batch 1 and one every other bucket, at every context; once a key's graph has taken the
+same inputs twice, the key calls it directly, without dynamo (``engine/graph_calls.py``). On CPU the
+routed experts run inside the graph as the opaque ``hybridserve::grouped_experts`` op (``layers/moe.py``),
+the eager grouped path's own ops, except where a batch of few tokens runs every expert in two GEMMs
+(``DeepseekV4Model.prepare_compiled_decode``: small fp32 experts, E <= 4k; its batch-size guard splits the
+dynamic graph in two, both compiled by :meth:`warmup`). The cache writes are ``index_put_`` (which
+inductor keeps in place; an ``index_copy_`` into a graph input becomes a copy of the whole pool tensor),
+and the null-block zeroing runs eagerly after the graph for the same reason.
 On CPU the generated code's wrapper (which allocates the buffers and calls the kernels) is C++ too
 (inductor's ``cpp_wrapper``). Compiling happens on the first step of each graph (or in
 :meth:`DecodeGraphRunner.warmup`); its time is logged and kept in ``compile_seconds``, and inductor caches
@@ -39,13 +39,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.engine.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
 from hybridserve.engine.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
@@ -55,6 +56,7 @@ from hybridserve.models.deepseek_v4 import DeepseekV4Model
 log = logging.getLogger(__name__)
 
 MIN_ROW_BUCKET = 16
+GRAPH_BACKEND = "inductor"  # what compiles the static step (tests trace some with dynamo's "eager")
 BATCH_STEP = 8
 
 
@@ -86,6 +88,8 @@ class StaticDecode:
     logits: torch.Tensor | None = None  # [B, V], written by every run
     graph: torch.cuda.CUDAGraph | None = None
     ran: bool = False  # the first run of a key may compile
+    calls: list[GraphCall] = field(default_factory=list)  # the graph calls of the key's last compiled run
+    direct: DirectCall | None = None  # the key's graph and its inputs, once they proved the same twice
 
     def mark_dynamic(self) -> None:
         """The batch dim (B > 1), the table width and the compressed-row dims as dynamic: one compiled
@@ -137,11 +141,12 @@ class DecodeGraphRunner:
         self.entries: dict[tuple[int, int, int, int], StaticDecode] = {}
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
+        # On CPU the generated C++ also calls the kernels (cpp_wrapper): a Python wrapper spent ~0.5 ms a
+        # step allocating, viewing and checking buffers, a quarter of a batch-1 step.
+        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        self.recorder = RecordingBackend(GRAPH_BACKEND, options)
         if compiled:
-            # On CPU the generated C++ also calls the kernels (cpp_wrapper): a Python wrapper spent ~0.5 ms
-            # a step allocating, viewing and checking buffers, a quarter of a batch-1 step.
-            options: dict[str, Any] | None = {"cpp_wrapper": True} if device.type == "cpu" else None
-            self.compiled = torch.compile(self._logits, dynamic=None, options=options)
+            self.compiled = torch.compile(self._logits, dynamic=None, backend=self.recorder)
             model.prepare_compiled_decode()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
@@ -259,18 +264,28 @@ class DecodeGraphRunner:
         return logits
 
     def _replay_compiled(self, entry: StaticDecode) -> torch.Tensor:
-        """A key's later runs skip dynamo's guards (~0.5 ms a step): its first run passed them with these
+        """A key's later runs: its graph called directly once that is proven sound (``direct_call``), else
+        through dynamo with its guards skipped (~0.5 ms a step): the key's first run passed them with these
         very buffers, whose shapes, strides and dtypes never change, so they hold; only the guards that
         choose between the graphs (batch 1 or not) still run."""
-        assert self.compiled is not None
+        if entry.direct is not None:
+            return entry.direct()
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.compiled(entry)
+            return self._compiled_run(entry)
+
+    def _compiled_run(self, entry: StaticDecode) -> torch.Tensor:
+        assert self.compiled is not None
+        with self.recorder.recording() as calls:
+            logits = self.compiled(entry)
+        entry.direct = direct_call(entry.calls, calls, logits)
+        entry.calls = calls
+        return logits
 
     def _first_run(self, entry: StaticDecode) -> torch.Tensor:
         """The key's first run, timed (it compiles a graph if none fits); eager if compiling fails."""
         start = time.perf_counter()
         try:
-            logits = (self.compiled or self._logits)(entry)
+            logits = self._compiled_run(entry) if self.compiled is not None else self._logits(entry)
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
             log.warning("torch.compile of the decode step failed; decoding eagerly", exc_info=True)
             self.compiled = None
