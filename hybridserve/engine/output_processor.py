@@ -135,12 +135,14 @@ class OutputProcessor:
         delta = state.text[state.sent_chars : visible]
         state.sent_chars = visible
         req = state.request
+        # Snapshots, like the text: a stream reader a step behind must not see the next step's entries.
+        logprobs = None if state.logprobs is None else list(state.logprobs)
         completion = CompletionOutput(
             index=0,
             text=state.text if finished else state.text[:visible],
             token_ids=list(state.token_ids),
             cumulative_logprob=state.cumulative_logprob,
-            logprobs=state.logprobs,
+            logprobs=logprobs,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
         )
@@ -153,5 +155,6 @@ class OutputProcessor:
             state.num_cached_tokens,
             list(new_ids),
             delta,
+            None if logprobs is None else logprobs[max(0, len(logprobs) - len(new_ids)) :],
             state.prompt_logprobs,
         )

@@ -156,6 +156,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: SampleLogprobs | None = None  # the new tokens' entries (with logprobs requested)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     kv_transfer: KvHandoff | None = None  # prefill worker: where this request's blocks wait
 

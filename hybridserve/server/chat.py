@@ -198,12 +198,11 @@ async def _stream(
             finals[i] = out
         if not out.new_text and not out.finished and not (body.logprobs and out.new_token_ids):
             continue
-        entries = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
         delta, finish = _delta(parsers[i], out.new_text, c.finish_reason)
         choice = ChatChunkChoice(
             index=i,
             delta=delta,
-            logprobs=_logprobs(entries, out.new_token_ids, llm.tokenizer, top),
+            logprobs=_logprobs(out.new_logprobs or None, out.new_token_ids, llm.tokenizer, top),
             finish_reason=finish,
         )
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[choice]))

@@ -195,8 +195,7 @@ async def _stream(
             finals[i] = out
         if not out.new_text and not out.finished and not (body.logprobs is not None and out.new_token_ids):
             continue
-        new_entries = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
-        lp = _logprobs(new_entries, out.new_token_ids, llm.tokenizer, offsets[i])
+        lp = _logprobs(out.new_logprobs or None, out.new_token_ids, llm.tokenizer, offsets[i])
         offsets[i] += len(out.new_text)
         choice = CompletionChoice(
             index=i, text=out.new_text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
