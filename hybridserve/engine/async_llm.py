@@ -247,20 +247,26 @@ class AsyncLLM:
             if failed.error is not None:
                 self.processor.abort_request(failed.request_id)
                 self._fail(failed.request_id, RequestFailedError(failed.error))
-        results, stopped = self.processor.process([o for o in outputs if o.error is None])
+        live = [o for o in outputs if o.error is None and o.request_id in self.processor.states]
+        for o in live:  # every step counts, also those whose outputs a FINAL_ONLY request never sees
+            self._stamp(o.request_id, now)
+        results, stopped = self.processor.process(live)
         handoffs = {o.request_id: o.kv_transfer for o in outputs if o.kv_transfer is not None}
         for request_id, stop in stopped:
             self._finish([request_id], FinishReason.STOP, stop)
         for out in results:
-            timing = self.timings.get(out.request_id)
-            if timing is not None:
-                if timing.first_token is None:
-                    timing.first_token = now
-                elif timing.last_token is not None:
-                    timing.token_gaps.append(now - timing.last_token)
-                timing.last_token = now
             out.kv_transfer = handoffs.get(out.request_id)
             self._deliver(out)
+
+    def _stamp(self, request_id: str, now: float) -> None:
+        timing = self.timings.get(request_id)
+        if timing is None:
+            return
+        if timing.first_token is None:
+            timing.first_token = now
+        elif timing.last_token is not None:
+            timing.token_gaps.append(now - timing.last_token)
+        timing.last_token = now
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -14,7 +14,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.dp_engine import DataParallelEngine
 from hybridserve.engine.output_processor import OutputProcessor
-from hybridserve.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from hybridserve.engine.request import FinishReason, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.tokenizer import Tokenizer, load_chat_template, load_tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -118,10 +118,12 @@ class LLM:
 
 
 def _choices(params: SamplingParams) -> list[SamplingParams]:
-    """One request per choice; with a seed, choice j draws with seed + j (as the server does)."""
-    if params.n == 1:
-        return [params]
-    return [params if params.seed is None else replace(params, seed=params.seed + j) for j in range(params.n)]
+    """One request per choice, each making only its final output (all ``generate`` returns); with a
+    seed, choice j draws with seed + j (as the server does)."""
+    final = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    if final.n == 1:
+        return [final]
+    return [final if final.seed is None else replace(final, seed=final.seed + j) for j in range(final.n)]
 
 
 def _merged(outs: list[RequestOutput]) -> RequestOutput:

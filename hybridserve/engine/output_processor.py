@@ -15,6 +15,7 @@ from hybridserve.engine.request import (
     Logprob,
     Request,
     RequestOutput,
+    RequestOutputKind,
     SampleLogprobs,
 )
 from hybridserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,7 +76,8 @@ class OutputProcessor:
             if hit is not None:
                 stopped.append((out.request_id, hit))
             finished = state.finish_reason is not None
-            results.append(self._output(state, new_ids, finished))
+            if finished or state.request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.append(self._output(state, new_ids, finished))
             if finished:
                 del self.states[out.request_id]
         return results, stopped
@@ -135,17 +137,14 @@ class OutputProcessor:
         delta = state.text[state.sent_chars : visible]
         state.sent_chars = visible
         req = state.request
-        # Snapshots, like the text: a stream reader a step behind must not see the next step's entries.
-        logprobs = None if state.logprobs is None else list(state.logprobs)
-        completion = CompletionOutput(
-            index=0,
-            text=state.text if finished else state.text[:visible],
-            token_ids=list(state.token_ids),
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason,
-        )
+        lps = state.logprobs
+        new_logprobs = None if lps is None else lps[max(0, len(lps) - len(new_ids)) :]
+        if req.params.output_kind == RequestOutputKind.DELTA:
+            completion = self._completion(state, delta, list(new_ids), new_logprobs)
+        else:  # snapshots, like the text: a stream reader a step behind must not see the next step's entries
+            logprobs = None if state.logprobs is None else list(state.logprobs)
+            text = state.text if finished else state.text[:visible]
+            completion = self._completion(state, text, list(state.token_ids), logprobs)
         return RequestOutput(
             req.request_id,
             req.prompt,
@@ -155,6 +154,21 @@ class OutputProcessor:
             state.num_cached_tokens,
             list(new_ids),
             delta,
-            None if logprobs is None else logprobs[max(0, len(logprobs) - len(new_ids)) :],
+            new_logprobs,
             state.prompt_logprobs,
+            num_output_tokens=len(state.token_ids),
+        )
+
+    @staticmethod
+    def _completion(
+        state: RequestState, text: str, token_ids: list[int], logprobs: SampleLogprobs | None
+    ) -> CompletionOutput:
+        return CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
         )

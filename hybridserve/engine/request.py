@@ -6,7 +6,7 @@ import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum, IntEnum, StrEnum
 from typing import Any, Self, SupportsIndex
 
 import torch
@@ -19,6 +19,16 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"  # the step that ran the request failed; the engine went on without it
+
+
+class RequestOutputKind(IntEnum):
+    """Which outputs a request gets and what they hold (vLLM's kinds): every step's output with
+    everything so far; every step's output with only what the step added; or only the final output (with
+    everything). DELTA and FINAL_ONLY spare copying a growing output into each step's output."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class RequestStatus(Enum):
@@ -78,6 +88,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob plus the top n
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -158,6 +169,7 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: SampleLogprobs | None = None  # the new tokens' entries (with logprobs requested)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_output_tokens: int = 0  # tokens generated so far, whatever the output kind
     kv_transfer: KvHandoff | None = None  # prefill worker: where this request's blocks wait
 
 

@@ -84,7 +84,7 @@ def _log_finished(out: RequestOutput, timing: RequestTiming | None) -> None:
         "request %s: prompt %d tokens, completion %d tokens, ttft %s, finish %s",
         out.request_id,
         len(out.prompt_token_ids),
-        len(c.token_ids),
+        out.num_output_tokens,
         ttft,
         c.finish_reason,
     )

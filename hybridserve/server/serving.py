@@ -14,7 +14,7 @@ from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
-from hybridserve.engine.request import Logprob, Request, RequestOutput, SamplingParams
+from hybridserve.engine.request import Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.server.constraints import structured_outputs
 from hybridserve.server.disagg import apply_kv_transfer
 from hybridserve.server.errors import APIError
@@ -78,6 +78,8 @@ def sampling_params(
             logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
             prompt_logprobs=body.prompt_logprobs,
             structured_outputs=structured_outputs(body),
+            # a stream reads only each step's new tokens; a whole answer waits for the final output
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
@@ -211,7 +213,7 @@ async def final_outputs(
 
 def usage(prompts: list[list[int]], finals: list[RequestOutput], n: int) -> Usage:
     prompt_tokens = sum(len(p) for p in prompts)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    completion = sum(o.num_output_tokens for o in finals)
     cached = sum(finals[i * n].num_cached_tokens for i in range(len(prompts)) if i * n < len(finals))
     return Usage(
         prompt_tokens=prompt_tokens,

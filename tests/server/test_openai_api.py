@@ -189,3 +189,31 @@ def test_metrics_show_the_cache_arena_and_each_groups_pages(client: openai.OpenA
     assert 'hybridserve_kv_arena_pages_held{group="swa_kv"}' in held
     assert total - m["hybridserve_kv_arena_pages_free"] == sum(held.values())
     assert "hybridserve_kv_arena_pages_reclaimed_total" in m
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_latency_metrics_count_every_token_whether_streamed_or_not(
+    client: openai.OpenAI, server: Server, stream: bool
+) -> None:
+    """A whole answer gets only its final output from the engine (FINAL_ONLY), a stream only deltas;
+    either way the server times the first token and every gap after it, and counts every token."""
+    server.wait_idle()
+    before = server.metrics()
+    body = {"ignore_eos": True}
+    kwargs = dict(model=server.model, prompt="It is a truth", max_tokens=6, temperature=0, extra_body=body)
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+        chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+        usage = chunks[-1].usage
+    else:
+        usage = client.completions.create(**kwargs).usage  # type: ignore[call-overload]
+    assert usage is not None and usage.completion_tokens == 6
+    server.wait_idle()
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"hybridserve_{name}_count"] - before.get(f"hybridserve_{name}_count", 0.0)
+
+    assert grew("time_to_first_token_seconds") == 1
+    assert grew("inter_token_latency_seconds") == 5
+    assert grew("e2e_request_latency_seconds") == 1
