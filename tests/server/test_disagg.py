@@ -403,4 +403,3 @@ def test_a_decode_worker_killed_mid_stream(deployment: Deployment, server: Serve
         _same(router, server, "/v1/completions", done)
     _wait_idle([deployment.prefill[0], *[d for d in deployment.decode if d is not victim]])
     assert victim.process.wait(timeout=10) != 0
-
