@@ -93,6 +93,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.output_kind = RequestOutputKind(self.output_kind)  # an int too; ValueError if no kind
         self.validate()
 
     @property

@@ -89,3 +89,9 @@ def test_aborted_requests_end_in_every_kind(tokenizer: Tokenizer) -> None:
         assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
         assert out.num_output_tokens == 2
         assert out.outputs[0].token_ids == ([] if kind == RequestOutputKind.DELTA else [40, 41])
+
+
+def test_output_kind_takes_ints_and_refuses_others() -> None:
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        SamplingParams(output_kind=7)  # type: ignore[arg-type]
