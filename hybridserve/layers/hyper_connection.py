@@ -114,6 +114,23 @@ def mhc_tail_unrolled(
     return post * 2, comb, collapsed
 
 
+def _sinkhorn_of_one(iters: int, eps: float) -> float:
+    """Sinkhorn of a 1x1 mix equal to 1 by :func:`mhc_tail_eager`'s own float32 ops, as a number."""
+    cpu = torch.device("cpu")  # explicit: models are built under a meta-device context
+    e = torch.tensor(eps, dtype=torch.float32, device=cpu)
+    return float(_sinkhorn_(torch.ones(1, 1, 1, device=cpu) + e, iters, e).item())
+
+
+def one_stream_tail(
+    pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, value: float, eps: float
+) -> _TailOut:
+    """:func:`mhc_tail_eager` for ``hc_mult == 1`` in a traced graph, with the Sinkhorn result ``value``
+    (``_sinkhorn_of_one``) in place of its 2 x iters dependent divisions: inductor inlines such a chain of
+    one-element ops into an expression that doubles with every division (8 iterations compiled for
+    minutes, the usual 20 never)."""
+    return post + post, torch.full_like(comb, value), _collapse(pre + eps, streams)
+
+
 @functools.cache
 def _compiled_tail() -> Callable[..., _TailOut]:
     return torch.compile(mhc_tail_unrolled, fullgraph=True, dynamic=False)
@@ -176,6 +193,8 @@ class HyperConnection(nn.Module):
         self.base = _param(n)
         self.scale = _param(3)
         self._scale_index: torch.Tensor | None = None
+        # One stream: the softmax of its 1x1 mix is exactly 1, so Sinkhorn always gives this one number.
+        self._one_stream_comb = _sinkhorn_of_one(sinkhorn_iters, hc_eps) if hc_mult == 1 else None
 
     def _expanded_scale(self) -> torch.Tensor:
         """``scale`` [3] repeated over the (pre, post, comb) columns of the projection -> [(2 + hc) * hc]."""
@@ -197,6 +216,8 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(mixes[:, :hc].contiguous())
         post = torch.sigmoid(mixes[:, hc : 2 * hc].contiguous())
         comb = torch.softmax(mixes[:, 2 * hc :].unflatten(-1, (hc, hc)), dim=-1)
+        if self._one_stream_comb is not None and torch.compiler.is_compiling():
+            return one_stream_tail(pre, post, comb, streams, self._one_stream_comb, self.hc_eps)
         return mhc_tail(pre, post, comb, streams, self.iters, self.hc_eps)
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:

@@ -217,6 +217,25 @@ def test_single_stream_stays_eager() -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_stream_traced_into_a_graph_is_bit_identical(dtype: torch.dtype) -> None:
+    """hc_mult = 1 inside a larger compiled graph (the compiled decode step): the Sinkhorn of the 1x1 mix
+    is a precomputed number, equal to the eager chain's; traced as a chain, inductor's inlining doubled
+    the expression with every division and 20 iterations never finished compiling. The rest of the
+    traced forward (norm, projection, sigmoids) rounds like any compiled fp32 code."""
+    m = _random_hc(1)
+    streams = _streams(5, 1, dtype)
+    compiled = torch.compile(m.forward, backend="inductor", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        post, comb, collapsed = compiled(streams)
+    want_post, want_comb, want_collapsed = _run(reference_hc, m, streams)
+    assert torch.equal(comb, want_comb) and comb.dtype == torch.float32
+    torch.testing.assert_close(post, want_post, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        collapsed.float(), want_collapsed.float(), atol=0.02 if dtype == torch.bfloat16 else 1e-5, rtol=0
+    )
+
+
 def test_compile_failure_falls_back_to_eager(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
