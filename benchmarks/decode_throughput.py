@@ -6,6 +6,7 @@ after the other, on the same checkpoint and thread count, so the ratio is measur
 
     python benchmarks/decode_throughput.py --model hybridserve/assets/austen-v4 --concurrency 1,4,16
     python benchmarks/decode_throughput.py --concurrency 1,16 --compile-decode   # + a compiled column
+    python benchmarks/decode_throughput.py --concurrency 1,16 --compile-decode --compile-prefill
 
 With ``--compile-decode`` hybridserve also runs with its decode steps through torch.compile; that engine
 first decodes a same-sized batch of other prompts for as many tokens, so every graph the measured run
@@ -29,9 +30,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_ours(
-    model: str, prompts: list[list[int]], max_tokens: int, compiled: list[list[int]] | None = None
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    compiled: list[list[int]] | None = None,
+    compile_prefill: bool = False,
 ) -> tuple[float, int, float]:
-    """(seconds, tokens, compile seconds); ``compiled``: compile the decode step, warming up on these."""
+    """(seconds, tokens, compile seconds); ``compiled``: compile the decode step, warming up on these;
+    ``compile_prefill``: the compiled engine's prefill steps too."""
     from hybridserve import LLM, SamplingParams
 
     llm = LLM(
@@ -39,14 +45,21 @@ def run_ours(
         max_num_seqs=len(prompts),
         max_num_batched_tokens=max(512, len(prompts[0]) * 2),
         compile_decode=compiled is not None,
+        compile_prefill=compiled is not None and compile_prefill,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(compiled or prompts[:1], params if compiled else replace(params, max_tokens=4))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    graphs = getattr(llm.engine, "runner", None) and llm.engine.runner.decode_graphs
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), graphs.compile_seconds if graphs else 0.0
+    runner = getattr(llm.engine, "runner", None)
+    compile_s = sum(getattr(g, "compile_seconds", 0.0) for g in _graphs(runner))
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), compile_s
+
+
+def _graphs(runner: object) -> list[object]:
+    """The runner's compiled-step runners (older checkouts lack the prefill one)."""
+    return [g for g in (getattr(runner, "decode_graphs", None), getattr(runner, "prefill_graphs", None)) if g]
 
 
 def run_transformers(model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -75,6 +88,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--result-json", default="benchmarks/results/decode_throughput.json")
     parser.add_argument("--compile-decode", action="store_true", help="also measure compiled decode steps")
+    parser.add_argument(
+        "--compile-prefill", action="store_true", help="the compiled column compiles prefill steps too"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -88,7 +104,9 @@ def main() -> None:
         row = {"requests": c, "hybridserve_tok_s": ours_tok / ours_s}
         if args.compile_decode:
             warm = _prompts(c, args.prompt_len, vocab, seed=1000 + c)
-            comp_s, comp_tok, row["compile_s"] = run_ours(args.model, prompts, args.max_tokens, warm)
+            comp_s, comp_tok, row["compile_s"] = run_ours(
+                args.model, prompts, args.max_tokens, warm, args.compile_prefill
+            )
             row["compiled_tok_s"] = comp_tok / comp_s
         ref_s, ref_tok = run_transformers(args.model, prompts, args.max_tokens)
         row["transformers_tok_s"] = ref_tok / ref_s

@@ -60,13 +60,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine(name: str, checkpoint: Path, port: int, threads: int, caching: bool) -> Engine:
+def engine(
+    name: str, checkpoint: Path, port: int, threads: int, caching: bool, compile_prefill: bool = False
+) -> Engine:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name in ("hybridserve", "hybridserve-compiled"):
         cmd = [PY, "-m", "hybridserve.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
         cmd += ["--num-threads", str(threads), "--log-level", "warning", "--max-num-seqs", "64"]
         cmd += [] if caching else ["--no-enable-prefix-caching"]
         cmd += ["--compile-decode"] if name == "hybridserve-compiled" else []
+        cmd += ["--compile-prefill"] if compile_prefill else []
         return Engine(name, [*cmd, "--max-queue", "1024"], checkpoint.name, env)
     if name == "transformers":
         server = str(ROOT / "benchmarks/peers/transformers_server.py")
@@ -213,6 +216,9 @@ def main() -> None:
         "--workload-args", default="", help="more `bench serve` flags, e.g. '--prefix-len 512'"
     )
     parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument(
+        "--compile-prefill", action="store_true", help="hybridserve engines also compile prefill steps"
+    )
     args = parser.parse_args()
     _require_matplotlib()
     # SIGTERM (e.g. from `timeout`) unwinds like an exception, so each engine's server is stopped.
@@ -227,7 +233,7 @@ def main() -> None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"== {name} on {checkpoint.name} ==", flush=True)
-        e = engine(name, checkpoint, port, args.threads, caching)
+        e = engine(name, checkpoint, port, args.threads, caching, args.compile_prefill)
         results.append(run_engine(e, url, checkpoint, args, out))
     config = vars(args) | {"hybridserve_prefix_caching": caching}
     (out / "summary.json").write_text(json.dumps({"config": config, "results": results}, indent=2))

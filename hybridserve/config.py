@@ -150,6 +150,14 @@ class EngineConfig:
             "150 s on an H200; inductor caches the result on disk)"
         },
     )
+    compile_prefill: bool = field(
+        default=False,
+        metadata={
+            "help": "prefill and mixed steps through one torch.compile graph with dynamic sizes (fixed cache "
+            "layout; start-up compiles 1-4 minutes more on a small CPU machine, cached on disk; a step the "
+            "graph does not fit runs eagerly)"
+        },
+    )
     dequantize_weights: bool = field(
         default=False,
         metadata={
@@ -235,11 +243,13 @@ class EngineConfig:
         parse_size(self.kv_cache_memory)
         if self.cache_layout not in (None, "arena", "fixed"):
             raise ValueError(f"--cache-layout {self.cache_layout!r}: choose arena or fixed")
-        if self.compile_decode and self.cache_layout == "arena":
-            raise ValueError(
-                "--compile-decode needs --cache-layout fixed: torch.compile cannot yet write into views of "
-                "one arena's bytes (aot_autograd rejects aliased input mutations)"
-            )
+        compiled = {"--compile-decode": self.compile_decode, "--compile-prefill": self.compile_prefill}
+        for flag, on in compiled.items():
+            if on and self.cache_layout == "arena":
+                raise ValueError(
+                    f"{flag} needs --cache-layout fixed: torch.compile cannot yet write into views of "
+                    "one arena's bytes (aot_autograd rejects aliased input mutations)"
+                )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
@@ -280,10 +290,12 @@ class EngineConfig:
     @property
     def resolved_cache_layout(self) -> str:
         """The layout asked for, else arena; --num-blocks alone (blocks per group) means a fixed split, and
-        so does --compile-decode (torch.compile cannot yet write into views of one arena's bytes)."""
+        so does --compile-decode or --compile-prefill (torch.compile cannot yet write into views of one
+        arena's bytes)."""
         if self.cache_layout is not None:
             return self.cache_layout
-        return "fixed" if self.num_blocks is not None or self.compile_decode else "arena"
+        compiled = self.compile_decode or self.compile_prefill
+        return "fixed" if self.num_blocks is not None or compiled else "arena"
 
     @property
     def kv_cache_bytes(self) -> int:

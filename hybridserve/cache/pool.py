@@ -255,6 +255,15 @@ class BlockPoolSet:
         """Every cache tensor, keyed by (group, layer, field)."""
         return {(name, layer, f): t for name, p in self.pools.items() for (layer, f), t in p.tensors.items()}
 
+    def null_rows(self) -> list[torch.Tensor]:
+        """The null block's rows of every cache tensor (views): a padded step's writes land there, and
+        ``torch._foreach_zero_`` of these restores the invariant that the null block is all zeros."""
+        return [
+            t[NULL_BLOCK * p.plan.rows_per_block : (NULL_BLOCK + 1) * p.plan.rows_per_block]
+            for p in self.pools.values()
+            for t in p.tensors.values()
+        ]
+
     def all_free(self) -> bool:
         return all(p.num_used == 0 for p in self.pools.values())
 

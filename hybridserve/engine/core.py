@@ -103,13 +103,15 @@ class EngineCore:
 
     def _build_runner(self) -> ModelRunner:
         """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
-        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; on CUDA, or with
-        --compile-decode, the other steps' mHC tail is compiled too (one graph for every token count).
-        Expert-parallel steps exchange host-sized splits every MoE layer, so they stay eager."""
+        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; with --compile-prefill the
+        other steps run through one dynamically shaped compiled graph; on CUDA, or with either flag, the
+        eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
+        exchange host-sized splits every MoE layer, so they stay eager."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
         compiled = accelerate and bool(self.config.compile_decode)
-        set_compile(accelerate and (cuda or compiled))
+        compiled_prefill = accelerate and self.config.compile_prefill
+        set_compile(accelerate and (cuda or compiled or compiled_prefill))
         return ModelRunner(
             self.model,
             self.pools,
@@ -118,6 +120,7 @@ class EngineCore:
             self.device,
             decode_graphs=accelerate and (cuda or compiled),
             compile_decode=compiled,
+            compile_prefill=compiled_prefill,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
@@ -138,6 +141,9 @@ class EngineCore:
         start = time.perf_counter()
         if warm_compiled_tail(self.model, self.device, self.dtype):
             log.info("mHC tail ready in %.1f s", time.perf_counter() - start)
+        prefill = self.runner.prefill_graphs
+        if prefill is not None:
+            prefill.warmup()
         graphs = self.runner.decode_graphs
         if graphs is None:
             return

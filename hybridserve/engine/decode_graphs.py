@@ -72,6 +72,13 @@ def row_bucket(n: int, most: int, least: int = MIN_ROW_BUCKET) -> int:
     return min(max(least, 1 << max(n - 1, 0).bit_length()), max(most, n))
 
 
+def least_indexed_rows(index_topk: int) -> int:
+    """The fewest rows a compiled step's CSA reads: more than ``index_topk`` (padded rows are never
+    visible), so the indexer keeps ``topk`` of them at every context and one graph serves all (traced at
+    ``topk`` rows or fewer, the graph would be specialised to keeping every row)."""
+    return max(MIN_ROW_BUCKET, 1 << index_topk.bit_length())
+
+
 def table_width(width: int) -> int:
     """The padded block-table width: a power of two >= 2 (a size-1 dim would be specialised)."""
     return max(2, 1 << max(width - 1, 0).bit_length())
@@ -130,11 +137,7 @@ class DecodeGraphRunner:
         self.pad_rows = pad_rows
         self.max_model_len = max_model_len
         self.use_graphs = use_graphs and device.type == "cuda"
-        self.null_rows = [
-            t[NULL_BLOCK * p.plan.rows_per_block : (NULL_BLOCK + 1) * p.plan.rows_per_block]
-            for p in pools.pools.values()
-            for t in p.tensors.values()
-        ]
+        self.null_rows = pools.null_rows()
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
         for rotary in model.rotary().values():  # the step looks positions up in tables that never grow
             rotary.reserve(max_model_len + 1)
@@ -203,16 +206,9 @@ class DecodeGraphRunner:
         if not self.pad_rows:
             return visible_rows(layout, rate)
         most = self.max_model_len // rate
-        least = (
-            self._least_indexed_rows() if branch == "csa" and self.compiled is not None else MIN_ROW_BUCKET
-        )
+        topk = self.model.cfg.index_topk
+        least = least_indexed_rows(topk) if branch == "csa" and self.compiled is not None else MIN_ROW_BUCKET
         return row_bucket(visible_rows(layout, rate), most, least)
-
-    def _least_indexed_rows(self) -> int:
-        """Compiled CSA reads more than ``index_topk`` rows (padded rows are never visible): the indexer
-        then keeps ``topk`` of them at every context, and one graph serves all (traced at ``topk`` rows
-        or fewer, the graph would be specialised to keeping every row)."""
-        return max(MIN_ROW_BUCKET, 1 << self.model.cfg.index_topk.bit_length())
 
     def _tables(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
         """Every group's [B, width] table (host, [G, B, width]); dummy rows and padding null."""

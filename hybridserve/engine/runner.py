@@ -8,6 +8,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.batch import build_forward_batch
 from hybridserve.engine.decode_graphs import DecodeGraphRunner
+from hybridserve.engine.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.engine.sampler import Sampler, SampleResult
 from hybridserve.engine.scheduler import SchedulerOutput
@@ -27,18 +28,23 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         compile_decode: bool = False,
+        compile_prefill: bool = False,
     ) -> None:
         """``decode_graphs``: run pure-decode steps padded to bucketed static shapes (DecodeGraphRunner),
         replayed as CUDA graphs on CUDA unless ``enforce_eager``, through torch.compile if
-        ``compile_decode``; other steps take the normal path."""
+        ``compile_decode``; ``compile_prefill``: the other steps through one dynamically shaped graph
+        (PrefillGraphRunner), else the normal path."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
         self.sampler = sampler
         self.device = device
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        max_len = max_model_len or model.cfg.max_position_embeddings
+        if compile_prefill:
+            self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
         if decode_graphs:
-            max_len = max_model_len or model.cfg.max_position_embeddings
             self.decode_graphs = DecodeGraphRunner(
                 model,
                 pools,
@@ -55,8 +61,11 @@ class ModelRunner:
         """Run the step; one result per scheduled request that samples, in scheduling order."""
         if self.decode_graphs is not None and self.decode_graphs.supports(out.scheduled):
             return self._execute_decode(out, self.decode_graphs)
-        batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
-        streams = self.model(batch, self.cache)
+        if self.prefill_graphs is not None and self.prefill_graphs.supports(out.scheduled):
+            batch, streams = self.prefill_graphs.run(out.scheduled)
+        else:
+            batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
+            streams = self.model(batch, self.cache)
         gather_prompt_logprobs(self.model, out.scheduled, streams)
         sampling = [s.request for s in out.scheduled if s.samples]
         if not sampling:

@@ -80,6 +80,21 @@ class QueryBlocks:
         return x if self.token_rows is None else x.index_select(0, self.token_rows)
 
 
+@dataclass(frozen=True)
+class MetaShapes:
+    """Metadata shaped for a graph compiled with dynamic sizes (``engine/prefill_graphs.py``), so that one
+    graph serves every step: no shortcut that changes the structure (the identity query rows, a branch
+    that completes no window) and no dim whose size could be 0 or 1, which dynamo would specialise.
+
+    Query blocks are picked among ``block_sizes`` (all >= 2), the padded query rows always come as an
+    index, and each compressed branch reads ``rows[branch]`` rows (padded past what any query sees; the
+    padding is never visible). Windows are padded too (``BatchLayout.pad_windows``).
+    """
+
+    block_sizes: tuple[int, ...]
+    rows: dict[str, int]
+
+
 @dataclass
 class AttentionMeta:
     token_slots: dict[str, torch.Tensor]  # [T] per per-token group
@@ -112,15 +127,21 @@ def build_meta(
     rates: dict[str, int],
     rotary: dict[str, Rotary],
     dtype: torch.dtype,
+    shapes: MetaShapes | None = None,
 ) -> AttentionMeta:
+    """``shapes``: the uniform form a compiled graph takes (see :class:`MetaShapes`)."""
     layout = batch.host_layout()
     top = max(layout.ends, default=1) - 1  # positions are < their request's end
-    blocks = _host_blocks(batch, query_block_size(layout, window))
+    sizes = _BLOCK_SIZES if shapes is None else shapes.block_sizes
+    blocks = _host_blocks(batch, query_block_size(layout, window, sizes), always_index=shapes is not None)
+    rope = (rotary["compress"], dtype)
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
-        csa = _compressed(batch, blocks, rates["csa"], CSA_STATE, CSA_ROWS, True, rotary["compress"], dtype)
+        reads = None if shapes is None else shapes.rows["csa"]
+        csa = _compressed(batch, blocks, rates["csa"], (CSA_STATE, CSA_ROWS), True, rope, reads)
     if HCA_ROWS in batch.block_tables:
-        hca = _compressed(batch, blocks, rates["hca"], HCA_STATE, HCA_ROWS, False, rotary["compress"], dtype)
+        reads = None if shapes is None else shapes.rows["hca"]
+        hca = _compressed(batch, blocks, rates["hca"], (HCA_STATE, HCA_ROWS), False, rope, reads)
     return _with_window(batch, blocks, window, rotary, dtype, top, csa, hca)
 
 
@@ -155,20 +176,21 @@ _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _GATHER_COST = 4.0
 
 
-def query_block_size(layout: BatchLayout, window: int) -> int:
-    """The Q that minimises padded queries x rows each reads x (1 + gather cost / Q): 1 for a decode
-    step, 8-32 for prefill chunks, in between for mixed steps."""
+def query_block_size(layout: BatchLayout, window: int, sizes: tuple[int, ...] = _BLOCK_SIZES) -> int:
+    """The Q of ``sizes`` that minimises padded queries x rows each reads x (1 + gather cost / Q): 1 for a
+    decode step, 8-32 for prefill chunks, in between for mixed steps."""
     counts = [end - start for start, end in zip(layout.starts, layout.ends, strict=True)]
 
     def cost(q: int) -> float:
         padded = sum(-(-n // q) * q for n in counts)
         return padded * (q + window - 1) * (1 + _GATHER_COST / q)
 
-    return min(_BLOCK_SIZES, key=cost)
+    return min(sizes, key=cost)
 
 
-def _host_blocks(batch: ForwardBatch, size: int) -> _Blocks:
-    """Blocks of ``size`` consecutive tokens of each request, from the host layout."""
+def _host_blocks(batch: ForwardBatch, size: int, always_index: bool = False) -> _Blocks:
+    """Blocks of ``size`` consecutive tokens of each request, from the host layout; ``always_index``: the
+    padded query rows as an index even where they are the token rows."""
     if size == 1:
         return _Blocks(QueryBlocks(1, None, None), batch.req_indices, batch.positions, None)
     layout = batch.host_layout()
@@ -186,7 +208,7 @@ def _host_blocks(batch: ForwardBatch, size: int) -> _Blocks:
     host = host_tensor(req + start + end + rows).to(batch.positions.device)
     req_t, start_t, end_t = host[: 3 * nb].view(3, nb).unbind(0)
     valid = start_t[:, None] + torch.arange(size, device=start_t.device) < end_t[:, None]
-    if len(rows) == nb * size:  # every block full: the padded rows are the token rows
+    if len(rows) == nb * size and not always_index:  # every block full: the padded rows are the token rows
         return _Blocks(QueryBlocks(size, None, None), req_t, start_t, valid)
     return _Blocks(QueryBlocks(size, host[3 * nb :], nb * size), req_t, start_t, valid)
 
@@ -296,14 +318,16 @@ def _compressed(
     batch: ForwardBatch,
     blocks: _Blocks,
     m: int,
-    state: str,
-    rows: str,
+    groups: tuple[str, str],
     overlap: bool,
-    rope: Rotary,
-    dtype: torch.dtype,
+    rope: tuple[Rotary, torch.dtype],
+    reads: int | None,
 ) -> CompressedMeta:
-    new_rows = _new_rows(batch, m, state, rows, overlap, rope, dtype)
-    row_ids = torch.arange(visible_rows(batch.host_layout(), m), device=batch.positions.device)
+    """One branch of :func:`build_meta`; ``reads``: the rows each block reads (None: what any query sees)."""
+    state, rows = groups
+    new_rows = _new_rows(batch, m, state, rows, overlap, *rope)
+    n = visible_rows(batch.host_layout(), m) if reads is None else reads
+    row_ids = torch.arange(n, device=batch.positions.device)
     return _reads(batch, blocks, m, rows, row_ids, new_rows)
 
 

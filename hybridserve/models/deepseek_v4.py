@@ -33,6 +33,7 @@ from hybridserve.models.attention_meta import (
     WINDOW_KV,
     AttentionMeta,
     CompressedMeta,
+    MetaShapes,
     QueryBlocks,
     build_meta,
     decode_meta,
@@ -199,7 +200,7 @@ class Attention(nn.Module):
         picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"], meta.blocks)
         B, N = cm.read_slots.shape
         per_query = cm.read_slots[:, None, :].expand(B, meta.blocks.size, N)
-        rows = per_query.gather(2, picked.clamp(max=max(N - 1, 0)).view(B, meta.blocks.size, picked.shape[1]))
+        rows = per_query.gather(2, picked.view(B, meta.blocks.size, picked.shape[1]))  # sort indices: < N
         return read_rows(cache, (CSA_ROWS, self.key, "kv"), rows.flatten(0, 1)), ok
 
     def _pool(
@@ -320,8 +321,10 @@ class DeepseekV4Model(nn.Module):
     def compress_rates(self) -> dict[str, int]:
         return {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
 
-    def attention_meta(self, batch: ForwardBatch) -> AttentionMeta:
-        return build_meta(batch, self.cfg.sliding_window, self.compress_rates(), self.rotary(), self.dtype)
+    def attention_meta(self, batch: ForwardBatch, shapes: MetaShapes | None = None) -> AttentionMeta:
+        """The step's metadata from its host layout; ``shapes``: the uniform form of a compiled step."""
+        rates, rotary = self.compress_rates(), self.rotary()
+        return build_meta(batch, self.cfg.sliding_window, rates, rotary, self.dtype, shapes)
 
     def decode_meta(
         self, batch: ForwardBatch, rows: dict[str, torch.Tensor], max_position: int

@@ -1,0 +1,186 @@
+"""Prefill and mixed steps through one graph compiled with dynamic sizes (``--compile-prefill``).
+
+A step that is not a pure decode (prompt chunks, alone or beside decoding requests) has shapes that
+vary on many dims at once: tokens, requests, query blocks and their size, the compressed rows each block
+reads and the windows the step completes. vLLM compiles its model once for a symbolic token count; here
+the metadata varies too, so the step's metadata is built on the host in one uniform form
+(``attention_meta.MetaShapes``: padded windows, the query rows always as an index, query blocks of 2 or
+more, bucketed row reads; block tables of at least 2 rows and a power-of-two width), and the forward runs
+through ``torch.compile(dynamic=True)``: every size is a symbol, the block size included, so one graph
+serves every such step.
+
+:meth:`PrefillGraphRunner.warmup` compiles that graph at start-up, on steps of dummy requests whose block
+tables are all the null block (their writes land there and are zeroed after). Dynamo specialises what
+the first trace happened to see equal, so the warm-up runs steps of unrelated sizes until one runs
+without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
+graph's guards refuse (a dim of size 0 or 1, the other side of the all-experts guard of a compiled
+decode model, an attention chunking the graph did not trace) runs eagerly on the same metadata rather
+than stopping to compile. ``steps`` counts both kinds.
+
+The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental import _config as fx_config
+
+from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.engine.batch import build_forward_batch
+from hybridserve.engine.decode_graphs import MIN_ROW_BUCKET, least_indexed_rows, row_bucket, table_width
+from hybridserve.engine.graph_calls import RecordingBackend
+from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, AttentionMeta, MetaShapes, visible_rows
+from hybridserve.models.deepseek_v4 import DeepseekV4Model
+
+log = logging.getLogger(__name__)
+
+GRAPH_BACKEND = "inductor"  # tests trace with dynamo's "eager" backend, which compiles nothing
+BLOCK_SIZES = (2, 4, 8, 16, 32, 64)  # query blocks of one token would specialise a dim to 1
+# Dummy steps of unrelated sizes (tokens per request, first position): the first trace specialises
+# sizes it saw equal, the recompile marks them dynamic, the last must run without compiling.
+WARMUP_STEPS = (
+    ((45, 61, 38), (0, 0, 0)),
+    ((29, 53, 70, 17), (0, 37, 100, 5)),
+    ((83, 22, 57), (11, 64, 3)),
+)
+MAX_WARMUP_STEPS = 5
+
+
+class PrefillGraphRunner:
+    """Runs the forward of prefill and mixed steps through one dynamically shaped compiled graph."""
+
+    def __init__(
+        self,
+        model: DeepseekV4Model,
+        pools: BlockPoolSet,
+        coordinator: KvCacheCoordinator,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.model, self.coordinator, self.device = model, coordinator, device
+        self.cache = pools.tensors()
+        for t in self.cache.values():  # the pools never change shape: no symbols for them
+            torch._dynamo.mark_static(t)
+        self.null_rows = pools.null_rows()
+        self.max_model_len = max_model_len
+        self.group_names = [g.spec.name for g in coordinator.plan.groups]
+        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        self.recorder = RecordingBackend(GRAPH_BACKEND, options)
+        self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=self.recorder)
+        self.enabled = True  # False once compiling failed: every step runs eagerly
+        self.warmed = False
+        self.compile_seconds = 0.0
+        self.steps = {"compiled": 0, "eager": 0}
+
+    def supports(self, scheduled: list[ScheduledRequest]) -> bool:
+        """A step of prompt chunks (maybe beside decodes) while compiling works; speculative verify steps
+        keep their own path."""
+        return self.enabled and bool(scheduled) and not any(s.num_spec for s in scheduled)
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
+        """(the step's batch, its pre-head streams [T, hc, D]): through the graph where its guards hold,
+        else eagerly on the same metadata. The first step warms up first if start-up did not."""
+        if not self.warmed:
+            self.warmup()
+        batch = build_forward_batch(scheduled, self.coordinator, self.device, pad_windows=True)
+        return batch, self._streams(self._uniform(batch))
+
+    def warmup(self) -> float:
+        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged)."""
+        start = time.perf_counter()
+        with torch.inference_mode(False), torch.no_grad():
+            for i in range(MAX_WARMUP_STEPS):
+                lengths, starts = WARMUP_STEPS[min(i, len(WARMUP_STEPS) - 1)]
+                frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                if not self._warm_step(lengths, starts):
+                    break
+                if i >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames:
+                    break
+        self.warmed = True
+        self.compile_seconds += time.perf_counter() - start
+        how = "compiled" if self.enabled else "eager (compiling failed)"
+        log.info("prefill steps %s in %.1f s", how, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def _warm_step(self, lengths: tuple[int, ...], starts: tuple[int, ...]) -> bool:
+        """One dummy step through the graph -> whether compiling works."""
+        try:
+            batch = self._uniform(self._dummy_batch(lengths, starts))
+            self._call(batch, self._meta(batch))
+        except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
+            log.warning("torch.compile of prefill steps failed; they run eagerly", exc_info=True)
+            self.enabled = False
+        finally:
+            torch._foreach_zero_(self.null_rows)
+        return self.enabled
+
+    def _forward(self, batch: ForwardBatch, cache: dict, meta: AttentionMeta) -> torch.Tensor:
+        return self.model(batch, cache, meta)
+
+    def _streams(self, batch: ForwardBatch) -> torch.Tensor:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            streams, compiled = self._call(batch, self._meta(batch))
+        torch._foreach_zero_(self.null_rows)
+        self.steps["compiled" if compiled else "eager"] += 1
+        return streams
+
+    def _call(self, batch: ForwardBatch, meta: AttentionMeta) -> tuple[torch.Tensor, bool]:
+        """(streams, whether the compiled graph ran)."""
+        # Without duck shaping, a size that happens to equal another (a bucketed row count and a head dim)
+        # gets its own symbol, so the trace cannot specialise it along with the other.
+        with self.recorder.recording() as calls, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            streams = self.compiled(batch, self.cache, meta)
+        return streams, bool(calls)
+
+    def _meta(self, batch: ForwardBatch) -> AttentionMeta:
+        return self.model.attention_meta(batch, self._shapes(batch.host_layout()))
+
+    def _shapes(self, layout: BatchLayout) -> MetaShapes:
+        """Query blocks of 2 or more; each compressed branch's reads padded to a bucket past the indexer's
+        top-k, so that the graph never sees a branch keep every row (as the decode graphs do)."""
+        rates = self.model.compress_rates()
+        least = {"csa": least_indexed_rows(self.model.cfg.index_topk), "hca": MIN_ROW_BUCKET}
+        rows = {
+            branch: row_bucket(visible_rows(layout, rate), self.max_model_len // rate, least[branch])
+            for branch, rate in rates.items()
+            if rate and {"csa": CSA_ROWS, "hca": HCA_ROWS}[branch] in self.group_names
+        }
+        return MetaShapes(BLOCK_SIZES, rows)
+
+    def _uniform(self, batch: ForwardBatch) -> ForwardBatch:
+        """Block tables of at least 2 rows and a power-of-two width >= 2, padded with the null block (a
+        size of 1 would be specialised); ``seq_ends`` padded alike. The host layout keeps the real rows."""
+        r, width = next(iter(batch.block_tables.values())).shape
+        rows, cols = max(r, 2), table_width(width)
+        pad = (0, cols - width, 0, rows - r)
+        tables = {name: F.pad(t, pad, value=NULL_BLOCK) for name, t in batch.block_tables.items()}
+        return replace(batch, block_tables=tables, seq_ends=F.pad(batch.seq_ends, (0, rows - r)))
+
+    def _dummy_batch(self, lengths: tuple[int, ...], starts: tuple[int, ...]) -> ForwardBatch:
+        """Requests of ``lengths`` tokens from positions ``starts``, every block the null block."""
+        half = self.max_model_len // 2
+        spans = [(min(s, half), min(s, half) + min(n, half)) for n, s in zip(lengths, starts, strict=True)]
+        positions = [p for s, e in spans for p in range(s, e)]
+        req = [r for r, (s, e) in enumerate(spans) for _ in range(s, e)]
+        ends = [e for _, e in spans]
+        vocab = self.model.cfg.vocab_size
+        ids = [3 + p % max(1, vocab - 3) for p in positions]
+        host = host_tensor(ids + positions + req + ends).to(self.device)
+        t = len(ids)
+        input_ids, pos, req_t, ends_t = host.split([t, t, t, len(ends)])
+        shape, dev = (len(spans), 2), self.device  # one tensor per group, as real steps have
+        tables = {g: torch.full(shape, NULL_BLOCK, dtype=torch.long, device=dev) for g in self.group_names}
+        layout = BatchLayout(tuple(s for s, _ in spans), tuple(ends), pad_windows=True)
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        block = self.coordinator.block_tokens
+        return ForwardBatch(input_ids, pos, req_t, ends_t, tables, block, empty, layout)

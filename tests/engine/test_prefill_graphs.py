@@ -1,0 +1,135 @@
+"""Prefill and mixed steps through one dynamically shaped compiled graph (PrefillGraphRunner) against the
+eager engine, on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.config import EngineConfig
+from hybridserve.engine import prefill_graphs
+from hybridserve.engine.llm import LLM
+from hybridserve.engine.prefill_graphs import PrefillGraphRunner
+from hybridserve.engine.request import RequestOutput, SamplingParams
+from tests.tiny_models import VOCAB
+
+# Compiled steps pick query blocks of 2 or more and pad compressed reads: other matmul groupings than the
+# eager steps', so logprobs agree to float32 rounding, not bit for bit.
+ATOL = 1e-4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+
+
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(checkpoint: Path, compiled: bool, **kwargs: int) -> LLM:
+    """The offline engine, fixed cache layout, 48-token steps (chunked prompts beside decodes)."""
+    common = dict(block_tokens=16, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256)
+    if compiled:
+        return LLM(str(checkpoint), compile_prefill=True, **{**common, **kwargs})
+    return LLM(str(checkpoint), enforce_eager=True, cache_layout="fixed", **{**common, **kwargs})
+
+
+def _null_rows_zero(pools: BlockPoolSet) -> bool:
+    return not any(rows.any() for rows in pools.null_rows())
+
+
+def _assert_close(plain: list[RequestOutput], compiled: list[RequestOutput]) -> None:
+    """Same greedy tokens; sampled and prompt logprobs equal to float32 rounding."""
+    for a, b in zip(plain, compiled, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = list(zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True))
+        pairs += [(x, y) for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True) if x]
+        assert pairs
+        for x, y in pairs:
+            assert y is not None and x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) <= ATOL for t in x)
+
+
+def _runner(llm: LLM) -> PrefillGraphRunner:
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["mixed", "csa_heavy", "yarn"])
+def test_compiled_prefill_matches_eager(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path], name: str
+) -> None:
+    """Chunked prompts of 6-40 tokens beside decoding requests, traced by dynamo (its "eager" backend: the
+    graph, guards and specialisations without inductor's CI minutes): after the warm-up's dummy steps no
+    graph compiles, every step of 2+ requests runs the one graph, and the outputs are the eager engine's.
+    ``yarn`` has one hyper-connection stream and CSA at rate 2."""
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    prompts = _prompts((6, 19, 33, 11, 25, 40))
+    plain = _llm(tiny_checkpoint(name), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
+    llm = _llm(tiny_checkpoint(name), compiled=True)
+    runner = _runner(llm)
+    runner.warmup()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
+    _assert_close(plain, compiled)
+    assert runner.steps["compiled"] >= 10
+    pools = llm.engine.pools
+    pools.check_integrity()
+    assert pools.all_free() and _null_rows_zero(pools)
+
+
+def test_warmup_runs_dummy_steps_only(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Start-up warm-up writes only into the null block, which is zero again after; nothing is allocated,
+    and its steps are not counted as served ones."""
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    llm = _llm(tiny_checkpoint("mixed"), compiled=True)
+    runner = _runner(llm)
+    assert runner.warmup() > 0 and runner.warmed and runner.enabled
+    pools = llm.engine.pools
+    assert pools.all_free() and _null_rows_zero(pools)
+    assert runner.steps == {"compiled": 0, "eager": 0}
+
+
+def test_steps_the_graph_does_not_fit_run_eagerly(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """One request alone: its decode steps have one token (a size-1 dim the graph never takes), so they run
+    eagerly on the same uniform metadata instead of compiling; the outputs stay the eager engine's."""
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    prompts = _prompts((21,))
+    plain = _llm(tiny_checkpoint("mixed"), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
+    llm = _llm(tiny_checkpoint("mixed"), compiled=True)
+    _runner(llm).warmup()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    _assert_close(plain, compiled)
+    assert _runner(llm).steps["compiled"] >= 1  # the prompt
+    assert _runner(llm).steps["eager"] >= PARAMS.max_tokens - 1  # the one-token steps
+    assert _null_rows_zero(llm.engine.pools)
+
+
+def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step; on the 2-layer
+    model (a CI minute)."""
+    prompts = _prompts((17, 30, 9))
+    plain = _llm(tiny_checkpoint("yarn"), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
+    llm = _llm(tiny_checkpoint("yarn"), compiled=True)
+    compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
+    runner = _runner(llm)
+    assert runner.enabled and runner.warmed and runner.compile_seconds > 0
+    assert runner.steps["compiled"] >= 4
+    _assert_close(plain, compiled)
+
+
+def test_compile_prefill_takes_the_fixed_layout() -> None:
+    """Like --compile-decode: the fixed split by default, and the arena refused with the reason."""
+    assert EngineConfig(compile_prefill=True).resolved_cache_layout == "fixed"
+    with pytest.raises(ValueError, match="--compile-prefill needs --cache-layout fixed"):
+        EngineConfig(compile_prefill=True, cache_layout="arena")
