@@ -3,6 +3,7 @@
     python benchmarks/prefill_step.py --prompt-len 128 --budget 512              # 4 prompts a step
     python benchmarks/prefill_step.py --prompt-len 128 --budget 512 --decoding 48 # + 48 decodes a step
     python benchmarks/prefill_step.py ... --compile-mhc                           # mHC tail compiled
+    python benchmarks/prefill_step.py ... --compile-prefill                       # the whole step compiled
 
 Loads the offline engine (``LLM``, ``--enforce-eager``, prefix caching off) on ``--model``. Each measured
 step is scheduled with fresh random prompts filling the token budget next to ``--decoding`` requests
@@ -37,16 +38,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-mhc", action="store_true", help="the eager steps' mHC tail compiled")
+    p.add_argument("--compile-prefill", action="store_true", help="the step through its compiled graph")
     p.add_argument("--out", default=None, help="JSON result file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(
         args.model,
         enable_prefix_caching=False,
-        enforce_eager=True,
+        enforce_eager=not args.compile_prefill,
         max_num_batched_tokens=args.budget,
         max_num_seqs=max(64, args.decoding + args.budget // args.prompt_len + 2),
+        **({"compile_prefill": True} if args.compile_prefill else {}),  # older checkouts lack the flag
     )
+    if args.compile_prefill:
+        llm.engine.warmup()  # the graph compiles before the clock starts
     if args.compile_mhc:
         from hybridserve.layers.hyper_connection import set_compile
 

@@ -13,9 +13,10 @@ serves every such step.
 tables are all the null block (their writes land there and are zeroed after). Dynamo specialises what
 the first trace happened to see equal, so the warm-up runs steps of unrelated sizes until one runs
 without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
-graph's guards refuse (a dim of size 0 or 1, the other side of the all-experts guard of a compiled
-decode model, an attention chunking the graph did not trace) runs eagerly on the same metadata rather
-than stopping to compile. ``steps`` counts both kinds.
+graph's guards refuse (a dim of size 1, an attention chunking the graph did not trace) runs eagerly on
+the same metadata rather than stopping to compile. Steps known not to fit, one token or few enough that
+a compiled decode model runs every routed expert (the other side of that guard), take the plain eager
+path. ``steps`` counts the compiled and the eager runs of the graph's steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
 """
@@ -37,6 +38,7 @@ from hybridserve.engine.decode_graphs import MIN_ROW_BUCKET, least_indexed_rows,
 from hybridserve.engine.graph_calls import RecordingBackend
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
+from hybridserve.layers.moe import Experts
 from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, AttentionMeta, MetaShapes, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
@@ -77,13 +79,17 @@ class PrefillGraphRunner:
         self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=self.recorder)
         self.enabled = True  # False once compiling failed: every step runs eagerly
         self.warmed = False
+        self.min_tokens = 2  # fewer take the plain eager path (set by the warm-up)
         self.compile_seconds = 0.0
         self.steps = {"compiled": 0, "eager": 0}
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A step of prompt chunks (maybe beside decodes) while compiling works; speculative verify steps
-        keep their own path."""
-        return self.enabled and bool(scheduled) and not any(s.num_spec for s in scheduled)
+        """A step of prompt chunks (maybe beside decodes) of at least ``min_tokens`` while compiling works
+        (before the warm-up: any such step, which warms up first); speculative verify steps keep their
+        own path."""
+        if not self.enabled or any(s.num_spec for s in scheduled):
+            return False
+        return sum(s.num_tokens for s in scheduled) >= self.min_tokens
 
     @torch.inference_mode(False)
     @torch.no_grad()
@@ -92,11 +98,15 @@ class PrefillGraphRunner:
         else eagerly on the same metadata. The first step warms up first if start-up did not."""
         if not self.warmed:
             self.warmup()
+        if sum(s.num_tokens for s in scheduled) < self.min_tokens:
+            batch = build_forward_batch(scheduled, self.coordinator, self.device)
+            return batch, self.model(batch, self.cache)
         batch = build_forward_batch(scheduled, self.coordinator, self.device, pad_windows=True)
         return batch, self._streams(self._uniform(batch))
 
     def warmup(self) -> float:
         """Compile the graph on dummy steps until one runs without compiling -> seconds (logged)."""
+        self.min_tokens = self._fewest_tokens()
         start = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():
             for i in range(MAX_WARMUP_STEPS):
@@ -123,6 +133,13 @@ class PrefillGraphRunner:
         finally:
             torch._foreach_zero_(self.null_rows)
         return self.enabled
+
+    def _fewest_tokens(self) -> int:
+        """Steps of fewer tokens take the plain eager path: one token is a size the graph never takes, and
+        where a compiled decode model runs every routed expert for few tokens (``prepare_all_experts``),
+        the graph (warmed on larger steps) traced the grouped side of that guard."""
+        experts = [m.all_experts_tokens() for m in self.model.modules() if isinstance(m, Experts)]
+        return max([1, *experts]) + 1
 
     def _forward(self, batch: ForwardBatch, cache: dict, meta: AttentionMeta) -> torch.Tensor:
         return self.model(batch, cache, meta)

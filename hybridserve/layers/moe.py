@@ -164,6 +164,10 @@ class Experts(nn.Module):
         self.all_experts = (gate_up, down)
         return True
 
+    def all_experts_tokens(self) -> int:
+        """The most tokens for which a compiled CPU step runs every expert (0: never)."""
+        return 0 if self.all_experts is None else ALL_EXPERTS_MAX_ROWS // self.gate_up.shape[0]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each token sums its experts' outputs one by one in x's dtype, in ascending expert id order
         (ties by slot): a fixed order, independent of the other tokens. A compiled CPU step of few tokens
