@@ -149,6 +149,8 @@ class PrefillGraphRunner:
             streams, compiled = self._call(batch, self._meta(batch))
         torch._foreach_zero_(self.null_rows)
         self.steps["compiled" if compiled else "eager"] += 1
+        if not compiled:
+            log.debug("a %d-token step ran eagerly: the graph's guards refused it", batch.num_tokens)
         return streams
 
     def _call(self, batch: ForwardBatch, meta: AttentionMeta) -> tuple[torch.Tensor, bool]:
