@@ -117,10 +117,11 @@ class PrefillGraphRunner:
                 if i >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames:
                     break
         self.warmed = True
-        self.compile_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
         how = "compiled" if self.enabled else "eager (compiling failed)"
-        log.info("prefill steps %s in %.1f s", how, time.perf_counter() - start)
-        return time.perf_counter() - start
+        log.info("prefill steps %s in %.1f s", how, seconds)
+        return seconds
 
     def _warm_step(self, lengths: tuple[int, ...], starts: tuple[int, ...]) -> bool:
         """One dummy step through the graph -> whether compiling works."""
