@@ -127,7 +127,11 @@ class PrefillGraphRunner:
         """One dummy step through the graph -> whether compiling works."""
         try:
             batch = self._uniform(self._dummy_batch(lengths, starts))
-            self._call(batch, self._meta(batch))
+            # Without duck shaping, a size that happens to equal another (a bucketed row count and a head
+            # dim) gets its own symbol, so the trace cannot specialise it along with the other. Only
+            # traces need it: serving never traces (``eager_on_recompile``).
+            with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+                self._call(batch, self._meta(batch))
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
             log.warning("torch.compile of prefill steps failed; they run eagerly", exc_info=True)
             self.enabled = False
@@ -156,9 +160,7 @@ class PrefillGraphRunner:
 
     def _call(self, batch: ForwardBatch, meta: AttentionMeta) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""
-        # Without duck shaping, a size that happens to equal another (a bucketed row count and a head dim)
-        # gets its own symbol, so the trace cannot specialise it along with the other.
-        with self.recorder.recording() as calls, fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+        with self.recorder.recording() as calls:
             streams = self.compiled(batch, self.cache, meta)
         return streams, bool(calls)
 
