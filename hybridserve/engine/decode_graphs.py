@@ -149,7 +149,11 @@ class DecodeGraphRunner:
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         self.recorder = RecordingBackend(GRAPH_BACKEND, options)
         if compiled:
-            self.compiled = torch.compile(self._logits, dynamic=None, backend=self.recorder)
+            # Every runner compiles the one function: isolated, its graphs count against its own recompile
+            # limit, not against one that every engine of the process shares (the ninth one failed).
+            self.compiled = torch.compile(
+                self._logits, dynamic=None, backend=self.recorder, isolate_recompiles=True
+            )  # type: ignore[call-overload]  # torch's overloads lack the newer options
             model.prepare_compiled_decode()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
@@ -266,6 +270,8 @@ class DecodeGraphRunner:
         choose between the graphs (batch 1 or not) still run."""
         if entry.direct is not None:
             return entry.direct()
+        if not entry.calls:  # dynamo ran the key's first run eagerly (``_first_run``): no guards to skip
+            return self._logits(entry)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._compiled_run(entry)
 
@@ -289,7 +295,9 @@ class DecodeGraphRunner:
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         entry.ran = True
-        if self.compiled is not None:
+        if self.compiled is not None and not entry.calls:
+            log.warning("dynamo compiled no graph for a decode step (its recompile limit?); it runs eagerly")
+        elif self.compiled is not None:
             b, n_csa, n_hca = entry.batch.input_ids.shape[0], len(entry.rows["csa"]), len(entry.rows["hca"])
             log.info("decode step batch %d (csa %d, hca %d rows) compiled: %.1f s", b, n_csa, n_hca, seconds)
         return logits

@@ -76,7 +76,10 @@ class PrefillGraphRunner:
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         self.recorder = RecordingBackend(GRAPH_BACKEND, options)
-        self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=self.recorder)
+        # isolated: this runner's graph counts against its own recompile limit (see DecodeGraphRunner)
+        self.compiled = torch.compile(
+            self._forward, dynamic=True, fullgraph=True, backend=self.recorder, isolate_recompiles=True
+        )  # type: ignore[call-overload]  # torch's overloads lack the newer options
         self.enabled = True  # False once compiling failed: every step runs eagerly
         self.warmed = False
         self.min_tokens = 2  # fewer take the plain eager path (set by the warm-up)

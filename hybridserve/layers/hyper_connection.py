@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _TailOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _compile_enabled = False
+TAIL_GRAPHS = 64  # compiled mHC tails kept before dynamo runs the tail eagerly
 
 
 def set_compile(enabled: bool) -> None:
@@ -133,7 +134,10 @@ def one_stream_tail(
 
 @functools.cache
 def _compiled_tail() -> Callable[..., _TailOut]:
-    return torch.compile(mhc_tail_unrolled, fullgraph=True, dynamic=False)
+    # One graph per model shape (hc_mult, hidden size, iterations): a process may load many models.
+    return torch.compile(  # type: ignore[call-overload]  # torch's overloads lack recompile_limit
+        mhc_tail_unrolled, fullgraph=True, dynamic=False, recompile_limit=TAIL_GRAPHS
+    )
 
 
 def _mark_tokens_dynamic(tensors: tuple[torch.Tensor, ...]) -> None:
@@ -154,7 +158,8 @@ def mhc_tail(
     """The compiled tail when enabled, else the eager one. Empty batches and ``hc_mult == 1`` stay eager
     (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix), and so does a tail
     traced into a larger compiled graph (the compiled decode step fuses it there)."""
-    eager = not _compile_enabled or torch.compiler.is_compiling()
+    # is_compiling first: a traced graph then never reads (and guards on) the process-wide switch
+    eager = torch.compiler.is_compiling() or not _compile_enabled
     if eager or streams.shape[0] == 0 or comb.shape[-1] < 2:
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)
     _mark_tokens_dynamic((pre, post, comb, streams))

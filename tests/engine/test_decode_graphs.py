@@ -54,9 +54,11 @@ def _run(
     exact: bool = False,
     compiled: bool = False,
     warm: bool = False,
+    direct: bool = True,
 ) -> tuple[list[torch.Tensor], BlockPoolSet]:
     """Chunked prefill on the plain path, then greedy decode on the plain or the bucketed path; ``warm``:
-    the runner's start-up warm-up first, after which no new graph may compile."""
+    the runner's start-up warm-up first, after which no new graph may compile; ``direct``: a compiled
+    runner's batch-4 key must come to call its graph directly."""
     pools, coord = _cache(model, 128)
     sizes = list(range(1, 9)) if exact else None
     runner = DecodeGraphRunner(
@@ -102,7 +104,7 @@ def _run(
     pools.check_integrity()
     if warm:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before, "compiled mid-run"
-    if compiled:  # the decode steps' key (batch 4) soon called its graph without dynamo
+    if compiled and direct:  # the decode steps' key (batch 4) soon called its graph without dynamo
         assert any(e.direct is not None for key, e in runner.entries.items() if key[0] == 4)
     return logits, pools
 
@@ -257,6 +259,41 @@ def test_compiled_decode_matches_eager(
     compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == graphs
     _assert_matches(plain, compiled, pools)
+
+
+def test_each_runner_has_its_own_recompile_limit(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Every runner compiles the one function ``DecodeGraphRunner._logits``: with the graphs of all
+    runners counted against one recompile limit, the ninth compiled engine in a process ran its first steps
+    eagerly and then failed every request. With dynamo's limit at what one runner compiles (3 graphs), a
+    second runner still compiles all of its own."""
+    monkeypatch.setattr(decode_graphs, "MIN_ROW_BUCKET", 2)
+    monkeypatch.setattr(moe, "ALL_EXPERTS_MAX_ROWS", 8)
+    monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
+    model = load_model(tiny_checkpoint("csa_heavy"), torch.float32, "cpu")
+    plain, _ = _run(model, (9, 5, 7), graphs=False)
+    torch._dynamo.reset()
+    for _ in range(2):
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(recompile_limit=3):
+            compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 3
+        _assert_matches(plain, compiled, pools)
+
+
+def test_a_step_dynamo_runs_as_is_stays_eager(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Where dynamo compiles no graph for a key's first run (past its recompile limit it runs the frame as
+    is), that key's later steps run eagerly too, not through dynamo with guards skipped, which raises."""
+    monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
+    model = load_model(tiny_checkpoint("csa_heavy"), torch.float32, "cpu")
+    plain, _ = _run(model, (9, 5, 7), graphs=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=0):
+        eager, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, direct=False)
+    _assert_matches(plain, eager, pools)
 
 
 def test_compile_decode_takes_the_fixed_layout() -> None:
