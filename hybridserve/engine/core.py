@@ -454,6 +454,7 @@ class EngineCore:
             generation_tokens=self.stats.generation_tokens,
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
+            steps_by_path=dict(self.runner.steps_by_path),
             dp_rank=self.config.data_parallel_rank,
             expert_tokens=self._expert_tokens(),
             collective_s=sum(e.comm_s for e in self.parallel_experts),

@@ -297,6 +297,8 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
         merged.collective_s += s.collective_s
         for expert, n in s.expert_tokens.items():
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
+        for path, n in s.steps_by_path.items():
+            merged.steps_by_path[path] = merged.steps_by_path.get(path, 0) + n
     return merged
 
 

@@ -96,16 +96,19 @@ class PrefillGraphRunner:
 
     @torch.inference_mode(False)
     @torch.no_grad()
-    def run(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
-        """(the step's batch, its pre-head streams [T, hc, D]): through the graph where its guards hold,
-        else eagerly on the same metadata. The first step warms up first if start-up did not."""
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor, str]:
+        """(the step's batch, its pre-head streams [T, hc, D], how it ran): through the graph where its
+        guards hold ("prefill_graph"), else eagerly on the same metadata ("prefill_graph_refused"); too few
+        tokens, or compiling failed, on the plain path ("eager"). The first step warms up first if
+        start-up did not."""
         if not self.warmed:
             self.warmup()
-        if sum(s.num_tokens for s in scheduled) < self.min_tokens:
+        if not self.enabled or sum(s.num_tokens for s in scheduled) < self.min_tokens:
             batch = build_forward_batch(scheduled, self.coordinator, self.device)
-            return batch, self.model(batch, self.cache)
+            return batch, self.model(batch, self.cache), "eager"
         batch = build_forward_batch(scheduled, self.coordinator, self.device, pad_windows=True)
-        return batch, self._streams(self._uniform(batch))
+        streams, compiled = self._streams(self._uniform(batch))
+        return batch, streams, "prefill_graph" if compiled else "prefill_graph_refused"
 
     def warmup(self) -> float:
         """Compile the graph on dummy steps until one runs without compiling -> seconds (logged)."""
@@ -152,14 +155,15 @@ class PrefillGraphRunner:
     def _forward(self, batch: ForwardBatch, cache: dict, meta: AttentionMeta) -> torch.Tensor:
         return self.model(batch, cache, meta)
 
-    def _streams(self, batch: ForwardBatch) -> torch.Tensor:
+    def _streams(self, batch: ForwardBatch) -> tuple[torch.Tensor, bool]:
+        """(streams, whether the graph ran them)."""
         with torch.compiler.set_stance("eager_on_recompile"):
             streams, compiled = self._call(batch, self._meta(batch))
         torch._foreach_zero_(self.null_rows)
         self.steps["compiled" if compiled else "eager"] += 1
         if not compiled:
             log.debug("a %d-token step ran eagerly: the graph's guards refused it", batch.num_tokens)
-        return streams
+        return streams, compiled
 
     def _call(self, batch: ForwardBatch, meta: AttentionMeta) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""

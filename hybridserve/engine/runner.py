@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
@@ -41,6 +43,7 @@ class ModelRunner:
         self.device = device
         self.decode_graphs: DecodeGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
+        self.steps_by_path: Counter[str] = Counter()  # see ``execute``
         max_len = max_model_len or model.cfg.max_position_embeddings
         if compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
@@ -58,14 +61,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
-        """Run the step; one result per scheduled request that samples, in scheduling order."""
+        """Run the step; one result per scheduled request that samples, in scheduling order. Counts it in
+        ``steps_by_path``: "decode_graph" (a static decode step), "prefill_graph" (the compiled graph ran
+        it), "prefill_graph_refused" (the graph's guards refused it: eager on its metadata), "eager"."""
         if self.decode_graphs is not None and self.decode_graphs.supports(out.scheduled):
+            self.steps_by_path["decode_graph"] += 1
             return self._execute_decode(out, self.decode_graphs)
         if self.prefill_graphs is not None and self.prefill_graphs.supports(out.scheduled):
-            batch, streams = self.prefill_graphs.run(out.scheduled)
+            batch, streams, path = self.prefill_graphs.run(out.scheduled)
         else:
             batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
-            streams = self.model(batch, self.cache)
+            streams, path = self.model(batch, self.cache), "eager"
+        self.steps_by_path[path] += 1
         gather_prompt_logprobs(self.model, out.scheduled, streams)
         sampling = [s.request for s in out.scheduled if s.samples]
         if not sampling:

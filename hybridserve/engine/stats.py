@@ -62,6 +62,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     steps: int = 0
     failed_steps: int = 0
+    steps_by_path: dict[str, int] = field(default_factory=dict)  # ModelRunner.execute's paths -> steps
     dp_rank: int = 0
     expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
     collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)

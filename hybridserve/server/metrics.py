@@ -58,12 +58,25 @@ class _EngineCollector(Collector):
         )
         yield _counter("hybridserve_engine_steps", "engine steps run", stats.steps)
         yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
+        yield _steps_by_path(stats)
         if stats.handoff is not None:
             yield from _handoff_metrics(stats.handoff)
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         yield _gauge("hybridserve_prefix_cache_hit_rate", "share of prompt tokens found cached", rate)
         yield from _rank_metrics(llm.rank_stats)
         yield from _spec_decode_metrics(stats)
+
+
+def _steps_by_path(stats: EngineSnapshot) -> Metric:
+    """How the model runner ran its steps: decode_graph (static decode steps: CUDA graphs, compiled or
+    eager), prefill_graph (the compiled prefill graph), prefill_graph_refused (its guards refused the
+    step, which ran eagerly on the graph's metadata), eager (the plain path)."""
+    paths = CounterMetricFamily(
+        "hybridserve_engine_steps_by_path", "model runner steps by how they ran", labels=["path"]
+    )
+    for path in ("decode_graph", "prefill_graph", "prefill_graph_refused", "eager"):
+        paths.add_metric([path], stats.steps_by_path.get(path, 0))
+    return paths
 
 
 def _arena_metrics(stats: EngineSnapshot) -> Iterator[Metric]:

@@ -119,14 +119,17 @@ def test_steps_the_graph_does_not_fit_run_eagerly(
     runner = _runner(llm)
     llm.engine.warmup()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n, kind in ((21, "compiled"), (2, "eager")):
-        before = dict(runner.steps)
+    paths = llm.engine.runner.steps_by_path  # what /metrics reports
+    for n, kind, path in ((21, "compiled", "prefill_graph"), (2, "eager", "prefill_graph_refused")):
+        before, paths_before = dict(runner.steps), dict(paths)
         prompts = _prompts((n,))
         _assert_close(
             plain.generate(prompts, PARAMS, use_tqdm=False), llm.generate(prompts, PARAMS, use_tqdm=False)
         )
         assert runner.steps[kind] == before[kind] + 1, (n, runner.steps)
         assert sum(runner.steps.values()) == sum(before.values()) + 1
+        assert paths[path] == paths_before.get(path, 0) + 1
+        assert paths["eager"] == paths_before.get("eager", 0) + PARAMS.max_tokens - 1  # one-token steps
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     assert _null_rows_zero(llm.engine.pools)
 

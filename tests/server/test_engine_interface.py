@@ -36,7 +36,9 @@ def test_snapshot_is_all_the_metrics_read():
     from hybridserve.engine.stats import EngineSnapshot, PoolUsage
     from hybridserve.server.metrics import ServerMetrics
 
-    stats = EngineSnapshot(num_running=1, kv_blocks={"swa_kv": PoolUsage(3, 10, 2, 5)})
+    stats = EngineSnapshot(
+        num_running=1, kv_blocks={"swa_kv": PoolUsage(3, 10, 2, 5)}, steps_by_path={"prefill_graph": 7}
+    )
     # What metrics read of AsyncLLM: its latest snapshot, per-rank snapshots, waiting count, on_finish.
     front = SimpleNamespace(stats=stats, rank_stats={0: stats}, num_waiting=4, on_finish=[])
     metrics = ServerMetrics()
@@ -49,5 +51,7 @@ def test_snapshot_is_all_the_metrics_read():
         'hybridserve_kv_blocks_evicted_total{group="swa_kv"} 5.0',
         "hybridserve_num_requests_running 1.0",
         "hybridserve_num_requests_waiting 4.0",
+        'hybridserve_engine_steps_by_path_total{path="prefill_graph"} 7.0',
+        'hybridserve_engine_steps_by_path_total{path="eager"} 0.0',
     ):
         assert line in text
