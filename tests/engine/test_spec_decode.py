@@ -209,6 +209,23 @@ def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[st
         LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
 
 
+def test_speculative_engine_compiles_no_unused_graphs(
+    mtp_checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Speculative steps never reach the model runner, so --compile-decode/--compile-prefill would compile
+    graphs (minutes at start-up) that no step runs: none are built, and the log says so."""
+    llm = LLM(
+        str(mtp_checkpoint("mixed")),
+        kv_cache_memory=KV,
+        speculative_config=mtp(2),
+        compile_decode=True,
+        compile_prefill=True,
+    )
+    runner = llm.engine.runner
+    assert runner.decode_graphs is None and runner.prefill_graphs is None
+    assert "do not apply to speculative steps" in caplog.text
+
+
 def test_generate_and_plan_take_the_speculative_config(
     mtp_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture
 ) -> None:
