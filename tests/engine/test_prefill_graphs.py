@@ -11,11 +11,11 @@ import torch
 
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.engine import prefill_graphs
+from hybridserve.engine import decode_graphs, prefill_graphs
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.request import RequestOutput, SamplingParams
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, TinySpec, make_checkpoint
 
 # Compiled steps pick query blocks of 2 or more and pad compressed reads: other matmul groupings than the
 # eager steps', so logprobs agree to float32 rounding, not bit for bit.
@@ -87,6 +87,44 @@ def test_compiled_prefill_matches_eager(
     pools = llm.engine.pools
     pools.check_integrity()
     assert pools.all_free() and _null_rows_zero(pools)
+
+
+ODD_SIZES = TinySpec(  # 3 heads of 12, hidden 30 and experts of 10: rows not 16-byte aligned
+    "odd_sizes",
+    11,
+    ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"),
+    ("hash_moe", "moe", "moe"),
+    extra=dict(
+        hidden_size=30,
+        moe_intermediate_size=10,
+        num_attention_heads=3,
+        head_dim=12,
+        q_lora_rank=10,
+        o_groups=3,
+        o_lora_rank=6,
+        index_head_dim=6,
+    ),
+)
+
+
+def test_both_compiled_paths_on_odd_sizes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--compile-decode and --compile-prefill together on a model of odd sizes (no dim a multiple of 16),
+    with 96-token steps: every prefill step of more tokens than the decode graphs' all-experts bound runs
+    the prefill graph, every pure decode step a decode graph, and the outputs are the eager engine's."""
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
+    folder = str(make_checkpoint(ODD_SIZES, tmp_path / "odd"))
+    common = dict(block_tokens=32, max_num_seqs=12, max_num_batched_tokens=96, max_model_len=256)
+    prompts = _prompts((1, 2, 7, 19, 33, 50, 64, 3, 90, 120, 70))
+    plain = LLM(folder, enforce_eager=True, cache_layout="fixed", **common).generate(
+        prompts, PARAMS, use_tqdm=False
+    )
+    llm = LLM(folder, compile_decode=True, compile_prefill=True, **common)
+    _assert_close(plain, llm.generate(prompts, PARAMS, use_tqdm=False))
+    paths = llm.engine.runner.steps_by_path
+    assert paths["prefill_graph"] >= 4 and paths["decode_graph"] >= PARAMS.max_tokens - 1
+    assert paths["prefill_graph_refused"] == 0
+    assert _null_rows_zero(llm.engine.pools) and llm.engine.pools.all_free()
 
 
 def test_warmup_runs_dummy_steps_only(
