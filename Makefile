@@ -1,6 +1,8 @@
 # Two commands set up a fresh machine: `make serve` (the main job) and `make test`.
 PYTHON ?= python3
 VENV := .venv
+# Test workers (pytest-xdist). Each test file runs on one worker: module fixtures start once.
+PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
@@ -26,7 +28,7 @@ lint: $(STAMP)
 	$(BIN)/mypy hybridserve
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint unit
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,3 +40,23 @@ def mtp_checkpoint(
         return built[name]
 
     return get
+
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test must have its own node id: pytest-xdist schedules by id and runs one test of each id.
+    schemathesis names each API operation's test ``test_fuzz[GET /health]`` but gives them one id (pytest
+    9 builds it from the original name), so each gets its operation as the id's parameters."""
+    for item in items:
+        if type(item).__name__ == "SchemathesisFunction" and "[" not in item.nodeid:
+            _set_id_params(item, item.name.partition("[")[2].removesuffix("]"))
+    repeated = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
+    if repeated:
+        raise pytest.UsageError(f"tests share node ids (pytest-xdist would run one of each): {repeated}")
+
+
+def _set_id_params(item: pytest.Item, params: str) -> None:
+    if hasattr(item, "_id"):  # pytest >= 9.1: structured node ids
+        item._id = item._id.with_params(params)
+    else:
+        item._nodeid = f"{item.nodeid}[{params}]"
