@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,11 +83,15 @@ def engine(
     raise ValueError(name)
 
 
-def _wait_ready(url: str, model: str, timeout: float = 1200) -> None:
-    """Until a one-token chat answers 200 (a compiled engine compiles its decode step first)."""
+def _wait_ready(url: str, model: str, server: subprocess.Popen, log: Path, timeout: float = 3600) -> None:
+    """Until a one-token chat answers 200 (a compiled engine compiles its steps first, cold for up to ~15
+    minutes on a slow CPU); raise at once if the server exits."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
+            raise RuntimeError(f"the server exited with {server.returncode} while starting ({log}):\n{tail}")
         try:
             if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
                 return
@@ -133,11 +138,14 @@ def _agreement(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, 
 def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, out: Path) -> dict:
     """Start the engine, measure every concurrency level and the agreement at each, stop it."""
     levels, agreement = [], {}
-    server = subprocess.Popen(
-        e.cmd, env=e.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    log = Path(tempfile.gettempdir()) / f"run_peers-{e.name}-{os.getpid()}.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            e.cmd, env=e.env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    print(f"server log: {log}", flush=True)
     try:
-        _wait_ready(url, e.model_name)
+        _wait_ready(url, e.model_name, server, log)
         for c in _levels(args):
             _bench(e, url, checkpoint, args, c, out / f"{e.name}-c{c}.json")
             levels.append(json.loads((out / f"{e.name}-c{c}.json").read_text())[0])

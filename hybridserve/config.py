@@ -158,6 +158,13 @@ class EngineConfig:
             "graph does not fit runs eagerly)"
         },
     )
+    engine_ready_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "seconds the server waits for its engine core to load the model and compile its steps "
+            "(0: as long as the core process lives); a core that exits is reported at once"
+        },
+    )
     dequantize_weights: bool = field(
         default=False,
         metadata={

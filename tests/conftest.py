@@ -42,7 +42,6 @@ def mtp_checkpoint(
     return get
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test must have its own node id: pytest-xdist schedules by id and runs one test of each id.
     schemathesis names each API operation's test ``test_fuzz[GET /health]`` but gives them one id (pytest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import shutil
 import tempfile
@@ -31,13 +32,18 @@ from hybridserve.engine.messages import (
 log = logging.getLogger("hybridserve.engine")
 
 
+def ready_deadline(timeout_s: float) -> float:
+    """``time.monotonic()`` past which a starting engine core has failed (0 s: never)."""
+    return time.monotonic() + timeout_s if timeout_s > 0 else math.inf
+
+
 class EngineCoreClient:
     """The API process's end of the engine core: ``send`` messages, ``recv`` outputs (in the event loop).
 
     The constructor blocks until the core has loaded the model (or raises EngineDeadError).
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._dir = tempfile.mkdtemp(prefix="hybridserve-")
         addresses = CoreAddresses(f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
         self._ctx = zmq.Context()
@@ -59,13 +65,13 @@ class EngineCoreClient:
         )
         self.process.start()
         try:
-            self.ready = self._wait_ready(ready_timeout_s)
+            self.ready = self._wait_ready(config.engine_ready_timeout)
         except BaseException:
             self.close(timeout_s=5)
             raise
 
     def _wait_ready(self, timeout_s: float) -> EngineReady:
-        deadline = time.monotonic() + timeout_s
+        deadline = ready_deadline(timeout_s)
         while time.monotonic() < deadline:
             if self._outputs.poll(100):
                 message = decode_output(self._outputs.recv())
@@ -75,7 +81,9 @@ class EngineCoreClient:
                     raise EngineDeadError(f"the engine core could not start: {message.message}")
             elif not self.process.is_alive():
                 raise EngineDeadError(f"the engine-core process exited with status {self.process.exitcode}")
-        raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
+        raise EngineDeadError(
+            f"the engine core did not start within {timeout_s:g} s (--engine-ready-timeout; 0: no limit)"
+        )
 
     def send(self, message: Any) -> None:
         """Queue ``message`` for the core; never blocks (a PUSH with no peer would block forever)."""

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine.core_client import ready_deadline
 from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
 from hybridserve.engine.dp_router import RankRouter
 from hybridserve.engine.errors import EngineDeadError
@@ -115,7 +116,7 @@ def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
 class DPEngineCoreClient:
     """The same interface as EngineCoreClient, over ``config.data_parallel_size`` ranks."""
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.num_ranks = config.data_parallel_size
         self._dir = tempfile.mkdtemp(prefix="hybridserve-dp-")
@@ -135,7 +136,7 @@ class DPEngineCoreClient:
         self._results: dict[int, list[UtilityResult]] = {}
         self.processes = start_ranks(config, addresses)
         try:
-            self.rank_stats, self.ready = self._wait_ready(ready_timeout_s)
+            self.rank_stats, self.ready = self._wait_ready(config.engine_ready_timeout)
         except BaseException:
             self.close(timeout_s=5)
             raise
@@ -147,11 +148,14 @@ class DPEngineCoreClient:
     # ---- start -----------------------------------------------------------------------------------
     def _wait_ready(self, timeout_s: float) -> tuple[dict[int, EngineSnapshot], EngineReady]:
         ready: dict[int, EngineReady] = {}
-        deadline = time.monotonic() + timeout_s
+        deadline = ready_deadline(timeout_s)
         while len(ready) < self.num_ranks:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.num_ranks)) - set(ready))
-                raise EngineDeadError(f"engine-core ranks {missing} did not start within {timeout_s:.0f} s")
+                raise EngineDeadError(
+                    f"engine-core ranks {missing} did not start within {timeout_s:g} s "
+                    "(--engine-ready-timeout; 0: no limit)"
+                )
             if self._outputs.poll(100):
                 message = decode_output(self._outputs.recv())
                 if isinstance(message, EngineReady):
