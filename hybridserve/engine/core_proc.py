@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -78,6 +79,9 @@ def load_plugins() -> None:
 
 def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads: int, log_level: int) -> None:
     """Process entry point; exits 0 on shutdown, 1 when the engine failed."""
+    # Ctrl-C in a terminal signals the whole process group: the API process drains and then stops this
+    # core (Shutdown, or SIGTERM / SIGKILL), which must not die first under its in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     torch.set_num_threads(num_threads)
     ctx = zmq.Context()

@@ -54,8 +54,11 @@ def start_server(folder: Path, *extra: str, plugins: str = "") -> Server:
     return wait_healthy(spawn_server(folder, *extra, plugins=plugins))
 
 
-def spawn_server(folder: Path, *extra: str, plugins: str = "", port: int | None = None) -> Server:
-    """Start a server process (``wait_healthy`` waits for it): start several, then wait for them all."""
+def spawn_server(
+    folder: Path, *extra: str, plugins: str = "", port: int | None = None, new_session: bool = False
+) -> Server:
+    """Start a server process (``wait_healthy`` waits for it): start several, then wait for them all.
+    ``new_session``: in a process group of its own (its pid is the group id), as a terminal would run it."""
     port = port or free_port()
     cmd = [
         sys.executable,
@@ -75,7 +78,14 @@ def spawn_server(folder: Path, *extra: str, plugins: str = "", port: int | None 
         *extra,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDSERVE_PLUGINS=plugins)
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
     return Server(f"http://127.0.0.1:{port}", folder.name, folder, process)
 
 

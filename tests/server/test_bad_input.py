@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.server.openai_api import build_app
 from hybridserve.server.serving import ServerSettings
-from tests.server.conftest import API_KEY, Server, start_server, stop_server
+from tests.server.conftest import API_KEY, Server, spawn_server, start_server, stop_server, wait_healthy
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -181,6 +183,30 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoint: Callab
     while s.kv_blocks_used() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert stop_server(s) == 0
+    t.join()
+    assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_ctrl_c_to_the_process_group_drains_like_sigterm(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """A terminal's Ctrl-C signals every process of the group, the engine core too: in-flight requests
+    still finish and the server exits 0 (the core used to die of KeyboardInterrupt and fail them)."""
+    s = wait_healthy(spawn_server(tiny_checkpoint("mixed"), "--shutdown-grace", "20", new_session=True))
+    result: dict[str, httpx.Response] = {}
+    body = {"model": s.model, "prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+    t = threading.Thread(
+        target=lambda: result.update(r=httpx.post(f"{s.url}/v1/completions", json=body, timeout=30))
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    while s.kv_blocks_used() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(s.process.pid, signal.SIGINT)
+    try:
+        assert s.process.wait(timeout=30) == 0
+    finally:
+        if s.process.poll() is None:
+            os.killpg(s.process.pid, signal.SIGKILL)
+            s.process.wait()
     t.join()
     assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["finish_reason"] == "length"
 
