@@ -171,8 +171,8 @@ def test_abort_endpoint(server: Server) -> None:
     _assert_error(httpx.post(f"{server.url}/v1/requests/nope/abort", headers=AUTH), 404)
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoint: Callable[[str], Path]) -> None:
-    s = start_server(tiny_checkpoint("mixed"), "--shutdown-grace", "20")
+def _request_in_flight(s: Server) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """A 40-token completion on a thread, returned once it holds KV blocks; ``result["r"]``: its response."""
     result: dict[str, httpx.Response] = {}
     body = {"model": s.model, "prompt": "hi", "max_tokens": 40, "ignore_eos": True}
     t = threading.Thread(
@@ -182,6 +182,12 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoint: Callab
     deadline = time.monotonic() + 10
     while s.kv_blocks_used() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    return t, result
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_checkpoint: Callable[[str], Path]) -> None:
+    s = start_server(tiny_checkpoint("mixed"), "--shutdown-grace", "20")
+    t, result = _request_in_flight(s)
     assert stop_server(s) == 0
     t.join()
     assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["finish_reason"] == "length"
@@ -191,15 +197,7 @@ def test_ctrl_c_to_the_process_group_drains_like_sigterm(tiny_checkpoint: Callab
     """A terminal's Ctrl-C signals every process of the group, the engine core too: in-flight requests
     still finish and the server exits 0 (the core used to die of KeyboardInterrupt and fail them)."""
     s = wait_healthy(spawn_server(tiny_checkpoint("mixed"), "--shutdown-grace", "20", new_session=True))
-    result: dict[str, httpx.Response] = {}
-    body = {"model": s.model, "prompt": "hi", "max_tokens": 40, "ignore_eos": True}
-    t = threading.Thread(
-        target=lambda: result.update(r=httpx.post(f"{s.url}/v1/completions", json=body, timeout=30))
-    )
-    t.start()
-    deadline = time.monotonic() + 10
-    while s.kv_blocks_used() == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    t, result = _request_in_flight(s)
     os.killpg(s.process.pid, signal.SIGINT)
     try:
         assert s.process.wait(timeout=30) == 0
