@@ -19,6 +19,7 @@ Needs matplotlib (`pip install -e '.[bench]'`). Peers need their venvs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -152,9 +153,19 @@ def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, 
             if not args.skip_agreement:
                 agreement[c] = _agreement(e, url, checkpoint, args, c, out / f"{e.name}-agreement-c{c}.json")
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        _stop(server)
     return {"engine": e.name, "levels": levels, "agreement": agreement}
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server alone (it drains, then stops its engine core), then its whole group: a peer
+    may have children that outlive it."""
+    server.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=60)
 
 
 def _levels(args: argparse.Namespace) -> list[int]:
