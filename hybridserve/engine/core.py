@@ -106,16 +106,20 @@ class EngineCore:
         torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; with --compile-prefill the
         other steps run through one dynamically shaped compiled graph; on CUDA, or with either flag, the
         eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
-        exchange host-sized splits every MoE layer, so they stay eager. Speculative steps never reach the
-        runner (engine/spec_decode.py runs them), so with --speculative-config it builds no graphs."""
+        exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config every
+        step verifies drafts (engine/spec_decode.py runs it): no decode graphs; with --compile-prefill
+        its trunk forward takes the prefill graph."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
         compiled = accelerate and bool(self.config.compile_decode)
         compiled_prefill = accelerate and self.config.compile_prefill
         set_compile(accelerate and (cuda or compiled or compiled_prefill))
         graphs = accelerate and self.config.speculative is None
-        if accelerate and not graphs and (compiled or compiled_prefill):
-            log.warning("--compile-decode/--compile-prefill do not apply to speculative steps: not compiled")
+        if accelerate and not graphs and compiled:
+            log.warning(
+                "--compile-decode does not apply to speculative steps (each verifies drafts): no decode "
+                "graphs; --compile-prefill compiles their forward"
+            )
         return ModelRunner(
             self.model,
             self.pools,
@@ -124,7 +128,7 @@ class EngineCore:
             self.device,
             decode_graphs=graphs and (cuda or compiled),
             compile_decode=graphs and compiled,
-            compile_prefill=graphs and compiled_prefill,
+            compile_prefill=compiled_prefill,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
@@ -165,9 +169,7 @@ class EngineCore:
             return None
         k = spec.num_speculative_tokens
         control = DraftController(k, spec.adaptive, spec.disable_by_batch_size)
-        return SpecDecoder(
-            self.model, self.pools, self.coordinator, self.runner.sampler, self.device, k, control
-        )
+        return SpecDecoder(self.model, self.pools, self.coordinator, self.runner, self.device, k, control)
 
     def _cache_salt(self) -> bytes:
         """Prefix hashes name the cache dtype: blocks of one representation never match another's."""

@@ -87,10 +87,10 @@ class PrefillGraphRunner:
         self.steps = {"compiled": 0, "eager": 0}
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A step of prompt chunks (maybe beside decodes) of at least ``min_tokens`` while compiling works
-        (before the warm-up: any such step, which warms up first); speculative verify steps keep their
-        own path."""
-        if not self.enabled or any(s.num_spec for s in scheduled):
+        """A step of prompt chunks (maybe beside decodes) or of drafts to verify (each request's last token
+        and its drafts, a causal chunk like a prompt's) of at least ``min_tokens`` while compiling works
+        (before the warm-up: any such step, which warms up first)."""
+        if not self.enabled:
             return False
         return sum(s.num_tokens for s in scheduled) >= self.min_tokens
 

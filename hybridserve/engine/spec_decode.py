@@ -27,7 +27,7 @@ from hybridserve.engine.batch import _block_tables, build_forward_batch
 from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.engine.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampler import Sampler
+from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.spec_control import DraftController
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
@@ -62,24 +62,33 @@ class SpecDecoder:
         model: DeepseekV4Model,
         pools: BlockPoolSet,
         coordinator: KvCacheCoordinator,
-        sampler: Sampler,
+        runner: ModelRunner,
         device: torch.device,
         num_speculative_tokens: int,
         control: DraftController | None = None,
     ) -> None:
+        """``runner``: its sampler, its prefill graph for the trunk forward (--compile-prefill) and its
+        ``steps_by_path`` counter."""
         assert len(model.mtp) > 0, "MTP speculative decoding needs a checkpoint with MTP weights"
         self.model, self.cache, self.coordinator, self.device = model, pools.tensors(), coordinator, device
+        self.runner = runner
         self.k = num_speculative_tokens
         self.control = control or DraftController(num_speculative_tokens, adaptive=False)
-        self.rejection = RejectionSampler(sampler)
+        self.rejection = RejectionSampler(runner.sampler)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
         self._streams: torch.Tensor | None = None  # the trunk's streams of the current step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[Verified]:
-        """Trunk forward over every scheduled token; one Verified per scheduled request that samples."""
-        batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
-        self._streams = self.model(batch, self.cache)
+        """Trunk forward over every scheduled token (through the prefill graph where there is one); one
+        Verified per scheduled request that samples."""
+        graphs = self.runner.prefill_graphs
+        if graphs is not None and graphs.supports(out.scheduled):
+            batch, self._streams, path = graphs.run(out.scheduled)
+        else:
+            batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
+            self._streams, path = self.model(batch, self.cache), "eager"
+        self.runner.steps_by_path[path] += 1
         gather_prompt_logprobs(self.model, out.scheduled, self._streams)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:

@@ -190,7 +190,9 @@ def query_block_size(layout: BatchLayout, window: int, sizes: tuple[int, ...] = 
 
 def _host_blocks(batch: ForwardBatch, size: int, always_index: bool = False) -> _Blocks:
     """Blocks of ``size`` consecutive tokens of each request, from the host layout; ``always_index``: the
-    padded query rows as an index even where they are the token rows."""
+    padded query rows as an index even where they are the token rows, and at least 2 blocks (a lone
+    request's chunk of up to ``size`` tokens, e.g. one verifying drafts, gets a second block that repeats
+    its first one's reads with no valid query)."""
     if size == 1:
         return _Blocks(QueryBlocks(1, None, None), batch.req_indices, batch.positions, None)
     layout = batch.host_layout()
@@ -204,6 +206,8 @@ def _host_blocks(batch: ForwardBatch, size: int, always_index: bool = False) -> 
         req += [r] * len(first)
         start += first
         end += [e] * len(first)
+    if always_index and len(req) == 1:
+        req, start, end = req * 2, start * 2, end + start  # the second block ends where it starts
     nb = len(req)
     host = host_tensor(req + start + end + rows).to(batch.positions.device)
     req_t, start_t, end_t = host[: 3 * nb].view(3, nb).unbind(0)
@@ -294,7 +298,7 @@ def completed_windows(layout: BatchLayout, m: int) -> tuple[list[int], list[int]
     """(window numbers, request rows, count) of the windows the step completes, in batch order.
 
     Request r completes windows ``[start // m, end // m)``: at most ceil(n / m) for n tokens. With
-    ``layout.pad_windows`` the lists are padded to that bound with window 0 of request 0.
+    ``layout.pad_windows`` the lists are padded to that bound (at least 2) with window 0 of request 0.
     """
     windows: list[int] = []
     reqs: list[int] = []
@@ -304,7 +308,7 @@ def completed_windows(layout: BatchLayout, m: int) -> tuple[list[int], list[int]
         windows += done
         reqs += [r] * len(done)
         size += -(-(end - start) // m)
-    pad = size - len(windows) if layout.pad_windows else 0
+    pad = max(size, 2) - len(windows) if layout.pad_windows else 0  # never a dim of 1
     return windows + [0] * pad, reqs + [0] * pad, len(windows)
 
 

@@ -144,13 +144,14 @@ def test_warmup_runs_dummy_steps_only(
         assert runner.steps == {"compiled": 0, "eager": 0}
 
 
-def test_steps_the_graph_does_not_fit_run_eagerly(
+def test_lone_short_chunks_run_the_graph_and_refused_steps_run_eagerly(
     monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
-    """A lone request: its 21-token prompt runs the graph (its one block-table row padded to two); a lone
-    2-token prompt is one query block, a size-1 dim the graph never takes, so that step runs eagerly on
-    the same uniform metadata instead of compiling; one-token steps take the plain eager path. The
-    outputs stay the eager engine's."""
+    """A lone request: its 21-token prompt runs the graph (its one block-table row padded to two), and so
+    does a lone 2-token prompt (one query block and one completed window of each branch, each padded to
+    two: a dim of 1 is a size the graph never takes). A step whose metadata the graph's guards refuse
+    (here: query blocks of 1, which have no padded-row index) runs eagerly on that same metadata instead of
+    compiling; one-token steps take the plain eager path. The outputs stay the eager engine's."""
     monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
     plain = _llm(tiny_checkpoint("mixed"), compiled=False)  # first: an engine sets the global mHC switch
     llm = _llm(tiny_checkpoint("mixed"), compiled=True)
@@ -158,7 +159,14 @@ def test_steps_the_graph_does_not_fit_run_eagerly(
     llm.engine.warmup()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     paths = llm.engine.runner.steps_by_path  # what /metrics reports
-    for n, kind, path in ((21, "compiled", "prefill_graph"), (2, "eager", "prefill_graph_refused")):
+    cases = (
+        (21, "compiled", "prefill_graph"),
+        (2, "compiled", "prefill_graph"),
+        (2, "eager", "prefill_graph_refused"),
+    )
+    for n, kind, path in cases:
+        if kind == "eager":
+            monkeypatch.setattr(prefill_graphs, "BLOCK_SIZES", (1,))
         before, paths_before = dict(runner.steps), dict(paths)
         prompts = _prompts((n,))
         _assert_close(

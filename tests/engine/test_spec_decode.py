@@ -209,11 +209,12 @@ def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[st
         LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
 
 
-def test_speculative_engine_compiles_no_unused_graphs(
+def test_speculative_engine_builds_no_decode_graphs(
     mtp_checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Speculative steps never reach the model runner, so --compile-decode/--compile-prefill would compile
-    graphs (minutes at start-up) that no step runs: none are built, and the log says so."""
+    """Every speculative step verifies drafts, so --compile-decode would compile decode graphs (minutes at
+    start-up) that no step runs: none are built, and the log says so. --compile-prefill builds the graph
+    their trunk forward takes."""
     llm = LLM(
         str(mtp_checkpoint("mixed")),
         kv_cache_memory=KV,
@@ -222,8 +223,50 @@ def test_speculative_engine_compiles_no_unused_graphs(
         compile_prefill=True,
     )
     runner = llm.engine.runner
-    assert runner.decode_graphs is None and runner.prefill_graphs is None
-    assert "do not apply to speculative steps" in caplog.text
+    assert runner.decode_graphs is None and runner.prefill_graphs is not None
+    assert "--compile-decode does not apply to speculative steps" in caplog.text
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_compiled_verify_steps_equal_the_reference(
+    tiny_checkpoint: Callable[[str], Path],
+    mtp_checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    k: int,
+) -> None:
+    """--compile-prefill with speculation: verify steps (and the prompt chunks beside them) run through
+    the prefill graph (traced by dynamo's "eager" backend, as in test_prefill_graphs), the MTP layer
+    eagerly; oracle drafts are accepted in runs of every length, rolled-back rows are poisoned, and the
+    greedy tokens are the batch-1 reference's."""
+    from hybridserve.engine import prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    torch._dynamo.reset()
+    base = tiny_checkpoint("mixed")
+    prompts = _prompts(6, seed=5)
+    expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
+    kwargs = dict(block_tokens=16, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256)
+    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
+        llm = LLM(
+            str(mtp_checkpoint("mixed")),
+            kv_cache_memory=KV,
+            speculative_config=mtp(k),
+            compile_prefill=True,
+            **kwargs,
+        )
+        llm.engine.warmup()
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        _poisoning(llm.engine)
+        _check(base, prompts, llm.generate(prompts, GREEDY), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.steps["compiled"] >= MAX_NEW // (k + 1)
+    snap = llm.engine.snapshot()
+    assert snap.steps_by_path["prefill_graph"] == graphs.steps["compiled"]
+    assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
+    llm.engine.pools.check_integrity()
+    llm.engine.reset_prefix_cache()
+    assert llm.engine.pools.all_free()
 
 
 def test_generate_and_plan_take_the_speculative_config(

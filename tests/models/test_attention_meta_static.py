@@ -268,7 +268,8 @@ def test_meta_equals_the_old_computation(
             rows = branch.new_rows
             assert rows is not None
             m = branch.rate
-            assert rows.slots.shape[0] == sum(-(-x.num_tokens // m) for x in s.scheduled)
+            bound = sum(-(-x.num_tokens // m) for x in s.scheduled)
+            assert rows.slots.shape[0] == max(bound, 2)  # never a dim of 1
 
 
 def test_prefix_scenarios_start_from_a_hit_with_null_window_blocks() -> None:
