@@ -43,6 +43,15 @@ end-to-end *output tok/s*, each with its fraction of the bound.
 
     python benchmarks/roofline.py --checkpoint data/bench-random-v4 --threads 1 \
         --results benchmarks/results/bench-random-v4/summary.json
+
+Under a burst (every request sent at once), a served level's TPOT also carries the prefills of the
+requests admitted after it: each token of a request that decodes while others prefill waits for their
+prompt chunks. Decode steps alone are held against the bound by ``--steps``: ``profile_step.py``
+result files (``--out``), each a run of plain decode steps of one batch, at its batch and mean context;
+*step tok/s* = batch / median wall time of its plain steps.
+
+    python benchmarks/profile_step.py --model data/bench-random-v4 --batch 64 --compile-decode --out s.json
+    python benchmarks/roofline.py --checkpoint data/bench-random-v4 --threads 1 --steps s.json
 """
 
 from __future__ import annotations
@@ -91,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--engines", default="hybridserve,hybridserve-compiled", help="engines taken from --results"
+    )
+    p.add_argument(
+        "--steps",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="decode steps alone to hold against the bound: profile_step.py --out result files",
     )
     return p.parse_args(argv)
 
@@ -358,19 +374,55 @@ def achieved(
     return rows
 
 
-def achieved_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| engine | batch | context | bound (tok/s) | bound by | decode tok/s | fraction | output tok/s "
-        "| fraction |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['engine']} | {r['batch']} | {r['context']} | {r['bound_tok_s']:.0f} | {r['bound_by']} | "
-            f"{r['decode_tok_s']:.1f} | {100 * r['decode_fraction']:.1f}% | {r['output_tok_s']:.1f} | "
-            f"{100 * r['output_fraction']:.1f}% |"
+def achieved_steps(
+    model: Model, paths: list[Path], args: argparse.Namespace, bandwidth: float, flop_rate: float
+) -> list[dict[str, Any]]:
+    """Each profile_step.py result's plain decode steps against the bound at its batch and mean context."""
+    rows = []
+    for path in paths:
+        run = json.loads(path.read_text())
+        plain = run["unpreempted_wall_ms_per_step"]["plain"]
+        batch, ctx = int(run["batch"]), int(run["context_at_phase_start"]["plain"]) + plain["n"] // 2
+        profile = decode_profile(model, ctx, args.bytes_per_param, args.kv_bytes)
+        bound = bounds(profile, bandwidth, flop_rate, [batch])[0]
+        step_tok_s = batch * 1000.0 / plain["median"]
+        rows.append(
+            {
+                "engine": "compiled" if run.get("compile_decode") else "eager",
+                "batch": batch,
+                "context": ctx,
+                "bound_tok_s": bound["upper_bound_tok_s"],
+                "bound_by": bound["bound_by"],
+                "step_ms": plain["median"],
+                "step_tok_s": step_tok_s,
+                "step_fraction": step_tok_s / bound["upper_bound_tok_s"],
+                "source": str(path),
+            }
         )
+    return rows
+
+
+def _table(first: str, columns: list[tuple[str, str, str]], rows: list[dict[str, Any]]) -> str:
+    """A markdown table: the engine, batch, context and bound, then ``columns`` (header, key, format;
+    format "%" prints a fraction as a percentage)."""
+    head = [first, "batch", "context", "bound (tok/s)", "bound by", *(c[0] for c in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["engine"], r["batch"], r["context"], f"{r['bound_tok_s']:.0f}", r["bound_by"]]
+        cells += [f"{100 * r[key]:.1f}%" if fmt == "%" else format(r[key], fmt) for _, key, fmt in columns]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def steps_table(rows: list[dict[str, Any]]) -> str:
+    columns = [("step ms (median)", "step_ms", ".1f"), ("step tok/s", "step_tok_s", ".1f")]
+    return _table("decode steps", [*columns, ("fraction", "step_fraction", "%")], rows)
+
+
+def achieved_table(rows: list[dict[str, Any]]) -> str:
+    columns = [("decode tok/s", "decode_tok_s", ".1f"), ("fraction", "decode_fraction", "%")]
+    columns += [("output tok/s", "output_tok_s", ".1f"), ("fraction", "output_fraction", "%")]
+    return _table("engine", columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         report["bounds"] = rows
         levels = measured_levels(args.results, set(args.engines.split(",")))
         report["achieved"] = achieved(model, levels, args, bandwidth, mm["gflop_s"] * 1e9)
+        report["achieved_steps"] = achieved_steps(model, args.steps, args, bandwidth, mm["gflop_s"] * 1e9)
     text = json.dumps(report, indent=2)
     print(text)
     if args.checkpoint is not None:
@@ -417,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if report.get("achieved"):
         print(achieved_table(report["achieved"]), file=sys.stderr)
+    if report.get("achieved_steps"):
+        print(steps_table(report["achieved_steps"]), file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")

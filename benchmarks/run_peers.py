@@ -63,7 +63,13 @@ def _free_port() -> int:
 
 
 def engine(
-    name: str, checkpoint: Path, port: int, threads: int, caching: bool, compile_prefill: bool = False
+    name: str,
+    checkpoint: Path,
+    port: int,
+    threads: int,
+    caching: bool,
+    compile_prefill: bool = False,
+    server_args: list[str] | None = None,
 ) -> Engine:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name in ("hybridserve", "hybridserve-compiled"):
@@ -72,7 +78,7 @@ def engine(
         cmd += [] if caching else ["--no-enable-prefix-caching"]
         cmd += ["--compile-decode"] if name == "hybridserve-compiled" else []
         cmd += ["--compile-prefill"] if compile_prefill else []
-        return Engine(name, [*cmd, "--max-queue", "1024"], checkpoint.name, env)
+        return Engine(name, [*cmd, "--max-queue", "1024", *(server_args or [])], checkpoint.name, env)
     if name == "transformers":
         server = str(ROOT / "benchmarks/peers/transformers_server.py")
         cmd = [str(ROOT / "data/venvs/transformers/bin/python"), server, "--model", str(checkpoint)]
@@ -238,6 +244,11 @@ def main() -> None:
     parser.add_argument(
         "--compile-prefill", action="store_true", help="hybridserve engines also compile prefill steps"
     )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more `hybridserve serve` flags for hybridserve engines, e.g. '--max-num-batched-tokens 8192'",
+    )
     args = parser.parse_args()
     _require_matplotlib()
     # SIGTERM (e.g. from `timeout`) unwinds like an exception, so each engine's server is stopped.
@@ -252,7 +263,9 @@ def main() -> None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"== {name} on {checkpoint.name} ==", flush=True)
-        e = engine(name, checkpoint, port, args.threads, caching, args.compile_prefill)
+        e = engine(
+            name, checkpoint, port, args.threads, caching, args.compile_prefill, args.server_args.split()
+        )
         results.append(run_engine(e, url, checkpoint, args, out))
     config = vars(args) | {"hybridserve_prefix_caching": caching}
     (out / "summary.json").write_text(json.dumps({"config": config, "results": results}, indent=2))

@@ -45,3 +45,23 @@ def test_achieved_columns_come_from_the_result_files(
         assert row["decode_tok_s"] == pytest.approx(decode)  # concurrency / TPOT p50
         assert row["decode_fraction"] == pytest.approx(decode / bound)
         assert row["output_fraction"] == pytest.approx(output / bound)
+
+
+def test_decode_steps_come_from_profile_step_results(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    ckpt = tiny_checkpoint("mixed")
+    plain = {"median": 40.0, "n": 20}
+    run = {"batch": 8, "compile_decode": True, "context_at_phase_start": {"plain": 100}}
+    (tmp_path / "step.json").write_text(json.dumps(run | {"unpreempted_wall_ms_per_step": {"plain": plain}}))
+    out = tmp_path / "report.json"
+    argv = ["--checkpoint", str(ckpt), "--threads", "1", "--bw-mib", "8", "--mm-sizes", "64"]
+    assert roofline.main([*argv, "--out", str(out), "--steps", str(tmp_path / "step.json")]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["achieved_steps"]
+    assert (row["engine"], row["batch"], row["context"]) == ("compiled", 8, 110)  # mid-run context
+    bandwidth, flops = report["bandwidth"]["copy_gb_s"] * 1e9, report["matmul_fp32"]["gflop_s"] * 1e9
+    profile = roofline.decode_profile(roofline.read_checkpoint(ckpt), 110, None, None)
+    bound = roofline.bounds(profile, bandwidth, flops, [8])[0]["upper_bound_tok_s"]
+    assert row["step_tok_s"] == pytest.approx(200.0)  # batch / median step
+    assert row["step_fraction"] == pytest.approx(200.0 / bound)
