@@ -106,29 +106,28 @@ class EngineCore:
         torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; with --compile-prefill the
         other steps run through one dynamically shaped compiled graph; on CUDA, or with either flag, the
         eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
-        exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config every
-        step verifies drafts (engine/spec_decode.py runs it): no decode graphs; with --compile-prefill
-        its trunk forward takes the prefill graph."""
+        exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config
+        engine/spec_decode.py runs every step: one that verifies no drafts takes a decode graph (which
+        then keeps its streams for the MTP layer), one that does the prefill graph."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
         compiled = accelerate and bool(self.config.compile_decode)
         compiled_prefill = accelerate and self.config.compile_prefill
         set_compile(accelerate and (cuda or compiled or compiled_prefill))
-        graphs = accelerate and self.config.speculative is None
-        if accelerate and not graphs and compiled:
-            log.warning(
-                "--compile-decode does not apply to speculative steps (each verifies drafts): no decode "
-                "graphs; --compile-prefill compiles their forward"
-            )
+        speculative = self.config.speculative is not None
+        # Speculative steps that verify drafts take the prefill graph, and without --compile-decode the
+        # CUDA graphs of the others are not worth their capture: a speculative engine drafts most steps.
+        graphs = accelerate and (compiled or (cuda and not speculative))
         return ModelRunner(
             self.model,
             self.pools,
             self.coordinator,
             Sampler(self.config.seed, self.structured),
             self.device,
-            decode_graphs=graphs and (cuda or compiled),
-            compile_decode=graphs and compiled,
+            decode_graphs=graphs,
+            compile_decode=compiled,
             compile_prefill=compiled_prefill,
+            keep_streams=speculative,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,

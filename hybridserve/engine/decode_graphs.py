@@ -93,6 +93,7 @@ class StaticDecode:
     batch: ForwardBatch  # [B] ids, positions, ends; [B, width] block tables; no host layout
     rows: dict[str, torch.Tensor]  # "csa" / "hca": arange(N) of the branch's row reads
     logits: torch.Tensor | None = None  # [B, V], written by every run
+    streams: torch.Tensor | None = None  # [B, hc, D] pre-head streams, written by every run if kept
     graph: torch.cuda.CUDAGraph | None = None
     ran: bool = False  # the first run of a key may compile
     calls: list[GraphCall] = field(default_factory=list)  # the graph calls of the key's last compiled run
@@ -111,6 +112,8 @@ class StaticDecode:
             torch._dynamo.maybe_mark_dynamic(table, 1)
         for ids in self.rows.values():
             torch._dynamo.maybe_mark_dynamic(ids, 0)
+        if self.streams is not None and b > 1:
+            torch._dynamo.maybe_mark_dynamic(self.streams, 0)
 
 
 class DecodeGraphRunner:
@@ -128,10 +131,14 @@ class DecodeGraphRunner:
         batch_sizes: list[int] | None = None,
         pad_rows: bool = True,
         compiled: bool = False,
+        keep_streams: bool = False,
     ) -> None:
         """``batch_sizes``: the buckets (default ``batch_buckets``); ``pad_rows``: bucket N (else exact);
-        ``compiled``: the static step through ``torch.compile`` (see the module docstring)."""
+        ``compiled``: the static step through ``torch.compile`` (see the module docstring);
+        ``keep_streams``: every step also copies its pre-head streams into a buffer of its key (the MTP
+        layer of a speculative engine reads them, ``run_keeping_streams``)."""
         self.model, self.coordinator, self.device = model, coordinator, device
+        self.keep_streams = keep_streams
         self.cache = pools.tensors()
         self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs))
         self.pad_rows = pad_rows
@@ -142,6 +149,7 @@ class DecodeGraphRunner:
         for rotary in model.rotary().values():  # the step looks positions up in tables that never grow
             rotary.reserve(max_model_len + 1)
         self.entries: dict[tuple[int, int, int, int], StaticDecode] = {}
+        self._last: StaticDecode | None = None  # the key of the latest step
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
         # On CPU the generated C++ also calls the kernels (cpp_wrapper): a Python wrapper spent ~0.5 ms a
@@ -200,7 +208,15 @@ class DecodeGraphRunner:
             else:
                 entry.logits = self._forward(entry)
         assert entry.logits is not None
+        self._last = entry
         return entry.logits[:r]
+
+    def run_keeping_streams(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run``, and the step's pre-head streams [R, hc, D] (a view of the key's buffer: valid until the
+        key runs again); needs ``keep_streams``."""
+        logits = self.run(scheduled)
+        assert self._last is not None and self._last.streams is not None, "built without keep_streams"
+        return logits, self._last.streams[: len(scheduled)]
 
     def _rows(self, layout: BatchLayout, branch: str) -> int:
         """The padded row count N of a compressed branch (0: the model has none)."""
@@ -250,7 +266,11 @@ class DecodeGraphRunner:
             logits_indices=req,
         )
         rows = {"csa": torch.arange(n_csa, device=dev), "hca": torch.arange(n_hca, device=dev)}
-        return StaticDecode(batch, rows)
+        streams = None
+        if self.keep_streams:
+            cfg, dtype = self.model.cfg, self.model.embed_tokens.weight.dtype
+            streams = torch.zeros(b, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
+        return StaticDecode(batch, rows, streams=streams)
 
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
@@ -304,7 +324,10 @@ class DecodeGraphRunner:
 
     def _logits(self, entry: StaticDecode) -> torch.Tensor:
         meta = self.model.decode_meta(entry.batch, entry.rows, self.max_model_len)
-        return self.model.compute_logits(self.model(entry.batch, self.cache, meta))
+        streams = self.model(entry.batch, self.cache, meta)
+        if entry.streams is not None:
+            entry.streams.copy_(streams)
+        return self.model.compute_logits(streams)
 
     def _replay(self, entry: StaticDecode) -> None:
         if entry.graph is None:

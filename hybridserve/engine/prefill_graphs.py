@@ -14,9 +14,10 @@ tables are all the null block (their writes land there and are zeroed after). Dy
 the first trace happened to see equal, so the warm-up runs steps of unrelated sizes until one runs
 without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
 graph's guards refuse (a dim of size 1, an attention chunking the graph did not trace) runs eagerly on
-the same metadata rather than stopping to compile. Steps known not to fit, one token or few enough that
-a compiled decode model runs every routed expert (the other side of that guard), take the plain eager
-path. ``steps`` counts the compiled and the eager runs of the graph's steps.
+the same metadata rather than stopping to compile. One-token steps take the plain eager path. Where a
+compiled step of few tokens runs every routed expert (``prepare_all_experts``, with --compile-decode),
+that guard splits the graph in two, and the warm-up also runs steps of few tokens to compile the other
+side. ``steps`` counts the compiled and the eager runs of the graph's steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
 """
@@ -54,6 +55,13 @@ WARMUP_STEPS = (
     ((83, 22, 57), (11, 64, 3)),
 )
 MAX_WARMUP_STEPS = 5
+# Dummy steps of few tokens (at most 8: every model where a compiled step runs all routed experts takes
+# that many, ``Experts.all_experts_tokens``): that guard's other side gets its own graph.
+FEW_TOKEN_WARMUP_STEPS = (
+    ((3, 2), (0, 5)),
+    ((2, 4), (7, 0)),
+    ((2, 3, 2), (1, 9, 4)),
+)
 
 
 class PrefillGraphRunner:
@@ -82,7 +90,7 @@ class PrefillGraphRunner:
         )  # type: ignore[call-overload]  # torch's overloads lack the newer options
         self.enabled = True  # False once compiling failed: every step runs eagerly
         self.warmed = False
-        self.min_tokens = 2  # fewer take the plain eager path (set by the warm-up)
+        self.min_tokens = 2  # fewer take the plain eager path
         self.compile_seconds = 0.0
         self.steps = {"compiled": 0, "eager": 0}
 
@@ -111,23 +119,29 @@ class PrefillGraphRunner:
         return batch, streams, "prefill_graph" if compiled else "prefill_graph_refused"
 
     def warmup(self) -> float:
-        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged)."""
-        self.min_tokens = self._fewest_tokens()
+        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged). Where a
+        compiled step of few tokens runs every routed expert (``prepare_all_experts``), that guard splits
+        the graph in two, and dummy steps of few tokens compile the second one."""
         start = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():
-            for i in range(MAX_WARMUP_STEPS):
-                lengths, starts = WARMUP_STEPS[min(i, len(WARMUP_STEPS) - 1)]
-                frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                if not self._warm_step(lengths, starts):
-                    break
-                if i >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames:
-                    break
+            self._warm(WARMUP_STEPS)
+            if self.enabled and self._all_experts_tokens():
+                self._warm(FEW_TOKEN_WARMUP_STEPS)
         self.warmed = True
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         how = "compiled" if self.enabled else "eager (compiling failed)"
         log.info("prefill steps %s in %.1f s", how, seconds)
         return seconds
+
+    def _warm(self, steps: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]) -> None:
+        for i in range(MAX_WARMUP_STEPS):
+            lengths, starts = steps[min(i, len(steps) - 1)]
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            if not self._warm_step(lengths, starts):
+                return
+            if i >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames:
+                return
 
     def _warm_step(self, lengths: tuple[int, ...], starts: tuple[int, ...]) -> bool:
         """One dummy step through the graph -> whether compiling works."""
@@ -145,12 +159,9 @@ class PrefillGraphRunner:
             torch._foreach_zero_(self.null_rows)
         return self.enabled
 
-    def _fewest_tokens(self) -> int:
-        """Steps of fewer tokens take the plain eager path: one token is a size the graph never takes, and
-        where a compiled decode model runs every routed expert for few tokens (``prepare_all_experts``),
-        the graph (warmed on larger steps) traced the grouped side of that guard."""
-        experts = [m.all_experts_tokens() for m in self.model.modules() if isinstance(m, Experts)]
-        return max([1, *experts]) + 1
+    def _all_experts_tokens(self) -> int:
+        """The most tokens for which a compiled step runs every routed expert (0: never)."""
+        return max([0, *(m.all_experts_tokens() for m in self.model.modules() if isinstance(m, Experts))])
 
     def _forward(self, batch: ForwardBatch, cache: dict, meta: AttentionMeta) -> torch.Tensor:
         return self.model(batch, cache, meta)

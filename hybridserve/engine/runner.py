@@ -31,11 +31,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         compile_decode: bool = False,
         compile_prefill: bool = False,
+        keep_streams: bool = False,
     ) -> None:
         """``decode_graphs``: run pure-decode steps padded to bucketed static shapes (DecodeGraphRunner),
         replayed as CUDA graphs on CUDA unless ``enforce_eager``, through torch.compile if
         ``compile_decode``; ``compile_prefill``: the other steps through one dynamically shaped graph
-        (PrefillGraphRunner), else the normal path."""
+        (PrefillGraphRunner), else the normal path; ``keep_streams``: the decode graphs keep each step's
+        pre-head streams (a speculative engine's MTP layer reads them)."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
@@ -57,6 +59,7 @@ class ModelRunner:
                 max_len,
                 use_graphs=not enforce_eager,
                 compiled=compile_decode,
+                keep_streams=keep_streams,
             )
 
     @torch.inference_mode()

@@ -80,20 +80,13 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[Verified]:
-        """Trunk forward over every scheduled token (through the prefill graph where there is one); one
-        Verified per scheduled request that samples."""
-        graphs = self.runner.prefill_graphs
-        if graphs is not None and graphs.supports(out.scheduled):
-            batch, self._streams, path = graphs.run(out.scheduled)
-        else:
-            batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
-            self._streams, path = self.model(batch, self.cache), "eager"
+        """Trunk forward over every scheduled token (``_trunk``); one Verified per scheduled request that
+        samples."""
+        logits, path = self._trunk(out.scheduled)
         self.runner.steps_by_path[path] += 1
-        gather_prompt_logprobs(self.model, out.scheduled, self._streams)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return []
-        logits = self.model.compute_logits(self._streams[batch.logits_indices])
         verified = self.rejection.verify(
             logits, [s.request for s in sampling], [s.num_spec for s in sampling]
         )
@@ -102,6 +95,28 @@ class SpecDecoder:
             if v.num_drafts:
                 self.control.record_verified(v.num_drafts, v.num_accepted)
         return verified
+
+    def _trunk(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, str]:
+        """The trunk forward: keeps its streams for ``propose`` -> (logits of the sampling rows, the path
+        it took). A step that verifies no drafts (one token per request) takes a decode graph, one that
+        does the prefill graph (each request's last token and its drafts are a causal chunk like a
+        prompt's), where the engine has them; else the eager forward."""
+        decode, prefill = self.runner.decode_graphs, self.runner.prefill_graphs
+        if decode is not None and not any(s.num_spec for s in scheduled) and decode.supports(scheduled):
+            logits, self._streams = decode.run_keeping_streams(scheduled)
+            rows = [i for i, s in enumerate(scheduled) if s.samples]
+            if len(rows) < len(scheduled):
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            return logits, "decode_graph"
+        if prefill is not None and prefill.supports(scheduled):
+            batch, self._streams, path = prefill.run(scheduled)
+        else:
+            batch = build_forward_batch(scheduled, self.coordinator, self.device)
+            self._streams, path = self.model(batch, self.cache), "eager"
+        gather_prompt_logprobs(self.model, scheduled, self._streams)
+        if not any(s.samples for s in scheduled):
+            return self._streams.new_zeros(0), path
+        return self.model.compute_logits(self._streams[batch.logits_indices]), path
 
     def num_drafts(self, req: Request, max_request_tokens: int, num_running: int, budget: int) -> int:
         """How many tokens to draft for ``req``'s next step: none past max_tokens or the context limit,
