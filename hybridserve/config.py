@@ -145,17 +145,18 @@ class EngineConfig:
     compile_decode: bool | None = field(
         default=None,
         metadata={
-            "help": "pure-decode steps over bucketed static shapes through torch.compile, with the fixed "
-            "cache layout (off by default: start-up compiles for 1-3 minutes on a small CPU machine, about "
-            "150 s on an H200; inductor caches the result on disk)"
+            "help": "pure-decode steps (with --speculative-config: steps that verify no drafts) over "
+            "bucketed static shapes through torch.compile, with the fixed cache layout (off by default: "
+            "start-up compiles for 1-3 minutes on a small CPU machine, about 150 s on an H200; inductor "
+            "caches the result on disk)"
         },
     )
     compile_prefill: bool = field(
         default=False,
         metadata={
-            "help": "prefill and mixed steps through one torch.compile graph with dynamic sizes (fixed cache "
-            "layout; start-up compiles 1-4 minutes more on a small CPU machine, cached on disk; a step the "
-            "graph does not fit runs eagerly)"
+            "help": "prefill and mixed steps (and speculative steps that verify drafts) through one "
+            "torch.compile graph with dynamic sizes (fixed cache layout; start-up compiles 1-4 minutes "
+            "more on a small CPU machine, cached on disk; a step the graph does not fit runs eagerly)"
         },
     )
     engine_ready_timeout: float = field(
