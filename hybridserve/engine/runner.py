@@ -13,7 +13,7 @@ from hybridserve.engine.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.engine.sampler import Sampler, SampleResult
-from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 
@@ -64,30 +64,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
-        """Run the step; one result per scheduled request that samples, in scheduling order. Counts it in
+        """Run the step; one result per scheduled request that samples, in scheduling order."""
+        logits, _ = self.forward(out.scheduled)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        return self.sampler(logits, sampling) if sampling else []
+
+    def forward(
+        self, scheduled: list[ScheduledRequest], keep_streams: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward -> (logits of the rows that sample, in order; its pre-head streams [T, hc, D]
+        if ``keep_streams``, which a decode graph needs built with ``keep_streams``). Counts it in
         ``steps_by_path``: "decode_graph" (a static decode step), "prefill_graph" (the compiled graph ran
         it), "prefill_graph_refused" (the graph's guards refused it: eager on its metadata), "eager"."""
-        if self.decode_graphs is not None and self.decode_graphs.supports(out.scheduled):
+        if self.decode_graphs is not None and self.decode_graphs.supports(scheduled):
             self.steps_by_path["decode_graph"] += 1
-            return self._execute_decode(out, self.decode_graphs)
-        if self.prefill_graphs is not None and self.prefill_graphs.supports(out.scheduled):
-            batch, streams, path = self.prefill_graphs.run(out.scheduled)
+            return self._decode_graph(scheduled, self.decode_graphs, keep_streams)
+        if self.prefill_graphs is not None and self.prefill_graphs.supports(scheduled):
+            batch, streams, path = self.prefill_graphs.run(scheduled)
         else:
-            batch = build_forward_batch(out.scheduled, self.coordinator, self.device)
+            batch = build_forward_batch(scheduled, self.coordinator, self.device)
             streams, path = self.model(batch, self.cache), "eager"
         self.steps_by_path[path] += 1
-        gather_prompt_logprobs(self.model, out.scheduled, streams)
-        sampling = [s.request for s in out.scheduled if s.samples]
-        if not sampling:
-            return []
-        logits = self.model.compute_logits(streams[batch.logits_indices])
-        return self.sampler(logits, sampling)
+        gather_prompt_logprobs(self.model, scheduled, streams)
+        kept = streams if keep_streams else None
+        if not any(s.samples for s in scheduled):
+            return streams.new_zeros(0), kept
+        return self.model.compute_logits(streams[batch.logits_indices]), kept
 
-    def _execute_decode(self, out: SchedulerOutput, graphs: DecodeGraphRunner) -> list[SampleResult]:
-        logits = graphs.run(out.scheduled)
-        rows = [i for i, s in enumerate(out.scheduled) if s.samples]
-        if not rows:
-            return []
-        if len(rows) < len(out.scheduled):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return self.sampler(logits, [out.scheduled[i].request for i in rows])
+    def _decode_graph(
+        self, scheduled: list[ScheduledRequest], graphs: DecodeGraphRunner, keep_streams: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        streams = None
+        if keep_streams:
+            logits, streams = graphs.run_keeping_streams(scheduled)
+        else:
+            logits = graphs.run(scheduled)
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        if len(rows) < len(scheduled):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return logits, streams

@@ -23,8 +23,7 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.engine.batch import _block_tables, build_forward_batch
-from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
+from hybridserve.engine.batch import _block_tables
 from hybridserve.engine.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.request import Request
 from hybridserve.engine.runner import ModelRunner
@@ -67,8 +66,7 @@ class SpecDecoder:
         num_speculative_tokens: int,
         control: DraftController | None = None,
     ) -> None:
-        """``runner``: its sampler, its prefill graph for the trunk forward (--compile-prefill) and its
-        ``steps_by_path`` counter."""
+        """``runner``: its sampler and its forward (graphs, ``steps_by_path``)."""
         assert len(model.mtp) > 0, "MTP speculative decoding needs a checkpoint with MTP weights"
         self.model, self.cache, self.coordinator, self.device = model, pools.tensors(), coordinator, device
         self.runner = runner
@@ -80,10 +78,10 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[Verified]:
-        """Trunk forward over every scheduled token (``_trunk``); one Verified per scheduled request that
+        """Trunk forward over every scheduled token (``ModelRunner.forward``: a step that verifies no drafts
+        may take a decode graph, one that does the prefill graph); one Verified per scheduled request that
         samples."""
-        logits, path = self._trunk(out.scheduled)
-        self.runner.steps_by_path[path] += 1
+        logits, self._streams = self.runner.forward(out.scheduled, keep_streams=True)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return []
@@ -95,28 +93,6 @@ class SpecDecoder:
             if v.num_drafts:
                 self.control.record_verified(v.num_drafts, v.num_accepted)
         return verified
-
-    def _trunk(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, str]:
-        """The trunk forward: keeps its streams for ``propose`` -> (logits of the sampling rows, the path
-        it took). A step that verifies no drafts (one token per request) takes a decode graph, one that
-        does the prefill graph (each request's last token and its drafts are a causal chunk like a
-        prompt's), where the engine has them; else the eager forward."""
-        decode, prefill = self.runner.decode_graphs, self.runner.prefill_graphs
-        if decode is not None and not any(s.num_spec for s in scheduled) and decode.supports(scheduled):
-            logits, self._streams = decode.run_keeping_streams(scheduled)
-            rows = [i for i, s in enumerate(scheduled) if s.samples]
-            if len(rows) < len(scheduled):
-                logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-            return logits, "decode_graph"
-        if prefill is not None and prefill.supports(scheduled):
-            batch, self._streams, path = prefill.run(scheduled)
-        else:
-            batch = build_forward_batch(scheduled, self.coordinator, self.device)
-            self._streams, path = self.model(batch, self.cache), "eager"
-        gather_prompt_logprobs(self.model, scheduled, self._streams)
-        if not any(s.samples for s in scheduled):
-            return self._streams.new_zeros(0), path
-        return self.model.compute_logits(self._streams[batch.logits_indices]), path
 
     def num_drafts(self, req: Request, max_request_tokens: int, num_running: int, budget: int) -> int:
         """How many tokens to draft for ``req``'s next step: none past max_tokens or the context limit,
