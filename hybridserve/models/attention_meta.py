@@ -9,6 +9,10 @@ Q + W - 1 window rows and its request's compressed rows once, masked per query (
 form), instead of gathering W rows for every query. Q is chosen per step (:func:`query_block_size`);
 a decode step gets Q = 1, which is the per-query form.
 
+A mixed step reads its one-token requests (decodes) apart, as a decode step does (Q = 1), and gives its
+query blocks to the others' chunks (``AttentionMeta.split``): a decode padded to a block of Q would read
+Q + W - 1 window rows for one query.
+
 Every shape follows from the batch's host-side layout (Python ints), never from reading a device
 tensor. With ``BatchLayout.pad_windows`` a decode batch of R requests always gets the same shapes but
 for N (the compressed rows it reads) and the block-table width, which grow with the context.
@@ -97,6 +101,9 @@ class MetaShapes:
 
 @dataclass
 class AttentionMeta:
+    """The step's writes (``token_slots``, ``rope``, each branch's ``new_rows``) and its queries' reads:
+    with ``split`` set, ``blocks``, the window and the branches' reads cover only ``split.main_rows``."""
+
     token_slots: dict[str, torch.Tensor]  # [T] per per-token group
     blocks: QueryBlocks
     window_slots: torch.Tensor  # [B, Q + W - 1] window rows of each query block
@@ -104,6 +111,19 @@ class AttentionMeta:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" cos, sin at token positions
     csa: CompressedMeta | None
     hca: CompressedMeta | None
+    split: SplitReads | None = None
+
+
+@dataclass
+class SplitReads:
+    """A mixed step's reads in two groups: the multi-token requests' tokens (``main_rows``, in query blocks
+    of the step's Q) and the one-token requests' (``decode_rows``, one query a block). ``decode`` holds
+    the decode group's reads (its ``token_slots`` empty, its branches without ``new_rows``, the step's
+    ``rope``)."""
+
+    main_rows: torch.Tensor  # [Tm] step rows of the main group, in order
+    decode_rows: torch.Tensor  # [Td]
+    decode: AttentionMeta
 
 
 @dataclass
@@ -133,7 +153,10 @@ def build_meta(
     layout = batch.host_layout()
     top = max(layout.ends, default=1) - 1  # positions are < their request's end
     sizes = _BLOCK_SIZES if shapes is None else shapes.block_sizes
-    blocks = _host_blocks(batch, query_block_size(layout, window, sizes), always_index=shapes is not None)
+    main, decodes = split_requests(layout, window, sizes)
+    requests = None if not decodes else main
+    size = query_block_size(layout, window, sizes, requests)
+    blocks = _host_blocks(batch, size, always_index=shapes is not None, requests=requests)
     rope = (rotary["compress"], dtype)
     csa = hca = None
     if CSA_ROWS in batch.block_tables:
@@ -142,7 +165,52 @@ def build_meta(
     if HCA_ROWS in batch.block_tables:
         reads = None if shapes is None else shapes.rows["hca"]
         hca = _compressed(batch, blocks, rates["hca"], (HCA_STATE, HCA_ROWS), False, rope, reads)
-    return _with_window(batch, blocks, window, rotary, dtype, top, csa, hca)
+    meta = _with_window(batch, blocks, window, rotary, dtype, top, csa, hca)
+    if decodes:
+        meta.split = _split_reads(batch, meta, main, decodes, window)
+    return meta
+
+
+def split_requests(layout: BatchLayout, window: int, sizes: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(multi-token requests, one-token requests) of a step whose decodes are read apart: at least two
+    decodes (one would be a dim of 1 in a compiled step), ``SPLIT_MIN_TOKENS`` others in query blocks of
+    more than one token; else (every request, [])."""
+    counts = [end - start for start, end in zip(layout.starts, layout.ends, strict=True)]
+    decodes = [r for r, n in enumerate(counts) if n == 1]
+    main = [r for r, n in enumerate(counts) if n > 1]
+    few = sum(counts[r] for r in main) < SPLIT_MIN_TOKENS
+    if len(decodes) < 2 or few or query_block_size(layout, window, sizes, main) == 1:
+        return list(range(len(counts))), []
+    return main, decodes
+
+
+def _split_reads(
+    batch: ForwardBatch, meta: AttentionMeta, main: list[int], decodes: list[int], window: int
+) -> SplitReads:
+    """The decode group's reads (one query a block), beside ``meta``'s for the main group."""
+    layout = batch.host_layout()
+    first = [0]
+    for start, end in zip(layout.starts, layout.ends, strict=True):
+        first.append(first[-1] + end - start)
+    main_rows = [t for r in main for t in range(first[r], first[r + 1])]
+    decode_rows = [first[r] for r in decodes]
+    dev = batch.positions.device
+    host = host_tensor(main_rows + decode_rows + decodes + [layout.starts[r] for r in decodes]).to(dev)
+    main_t, rows_t, req_t, start_t = host.split([len(main_rows), len(decodes), len(decodes), len(decodes)])
+    blocks = _Blocks(QueryBlocks(1, None, None), req_t, start_t, None)
+    csa = hca = None
+    if meta.csa is not None:
+        csa = _reads(batch, blocks, meta.csa.rate, CSA_ROWS, _row_ids(meta.csa), None)
+    if meta.hca is not None:
+        hca = _reads(batch, blocks, meta.hca.rate, HCA_ROWS, _row_ids(meta.hca), None)
+    window_slots, visible = _window_reads(batch, blocks, window)
+    decode = AttentionMeta({}, blocks.public, window_slots, visible, meta.rope, csa, hca)
+    return SplitReads(main_t, rows_t, decode)
+
+
+def _row_ids(branch: CompressedMeta) -> torch.Tensor:
+    n = branch.read_slots.shape[1]
+    return torch.arange(n, device=branch.read_slots.device)
 
 
 def decode_meta(
@@ -171,15 +239,23 @@ def decode_meta(
     return _with_window(batch, blocks, window, rotary, dtype, max_position, csa, hca)
 
 
+# The fewest tokens of multi-token requests for which a step reads its decodes apart: a step of few
+# tokens gains little, and one of at most 8 keeps one form (a compiled step of few tokens may run every
+# routed expert, a second graph already).
+SPLIT_MIN_TOKENS = 16
 # Candidate query-block sizes, and the cost of gathering a key row relative to scoring it for one query.
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _GATHER_COST = 4.0
 
 
-def query_block_size(layout: BatchLayout, window: int, sizes: tuple[int, ...] = _BLOCK_SIZES) -> int:
-    """The Q of ``sizes`` that minimises padded queries x rows each reads x (1 + gather cost / Q): 1 for a
-    decode step, 8-32 for prefill chunks, in between for mixed steps."""
+def query_block_size(
+    layout: BatchLayout, window: int, sizes: tuple[int, ...] = _BLOCK_SIZES, requests: list[int] | None = None
+) -> int:
+    """The Q of ``sizes`` that minimises padded queries x rows each reads x (1 + gather cost / Q) over
+    ``requests`` (None: all): 1 for a decode step, 8-32 for prefill chunks."""
     counts = [end - start for start, end in zip(layout.starts, layout.ends, strict=True)]
+    if requests is not None:
+        counts = [counts[r] for r in requests]
 
     def cost(q: int) -> float:
         padded = sum(-(-n // q) * q for n in counts)
@@ -188,19 +264,23 @@ def query_block_size(layout: BatchLayout, window: int, sizes: tuple[int, ...] = 
     return min(sizes, key=cost)
 
 
-def _host_blocks(batch: ForwardBatch, size: int, always_index: bool = False) -> _Blocks:
-    """Blocks of ``size`` consecutive tokens of each request, from the host layout; ``always_index``: the
-    padded query rows as an index even where they are the token rows, and at least 2 blocks (a lone
-    request's chunk of up to ``size`` tokens, e.g. one verifying drafts, gets a second block that repeats
-    its first one's reads with no valid query)."""
-    if size == 1:
+def _host_blocks(
+    batch: ForwardBatch, size: int, always_index: bool = False, requests: list[int] | None = None
+) -> _Blocks:
+    """Blocks of ``size`` consecutive tokens of each of ``requests`` (None: every request), from the host
+    layout; the padded rows number those requests' tokens in order. ``always_index``: the padded query
+    rows as an index even where they are the token rows, and at least 2 blocks (a lone request's chunk of
+    up to ``size`` tokens, e.g. one verifying drafts, gets a second block that repeats its first one's
+    reads with no valid query)."""
+    if size == 1 and requests is None:
         return _Blocks(QueryBlocks(1, None, None), batch.req_indices, batch.positions, None)
     layout = batch.host_layout()
     req: list[int] = []
     start: list[int] = []
     end: list[int] = []
     rows: list[int] = []
-    for r, (s, e) in enumerate(zip(layout.starts, layout.ends, strict=True)):
+    for r in range(len(layout.starts)) if requests is None else requests:
+        s, e = layout.starts[r], layout.ends[r]
         rows += range(len(req) * size, len(req) * size + e - s)
         first = range(s, e, size)
         req += [r] * len(first)
@@ -229,19 +309,26 @@ def _with_window(
 ) -> AttentionMeta:
     """The per-token slots, the blocks' raw window and rope (positions <= ``top``) around the compressed
     branches. Block key j is position start - (W - 1) + j; query i sees keys i..i + W - 1 (>= 0)."""
-    pos, q = batch.positions, blocks.public.size
-    span = torch.arange(q + window - 1, device=pos.device)
-    key_pos = blocks.start[:, None] - (window - 1) + span  # [B, Q + W - 1]
+    pos = batch.positions
     groups = [g for g in (WINDOW_KV, CSA_STATE, HCA_STATE) if g in batch.block_tables]
     token_slots = dict(zip(groups, batch.slots(groups, 1, pos, batch.req_indices).unbind(0), strict=True))
+    window_slots, visible = _window_reads(batch, blocks, window)
+    rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
+    return AttentionMeta(token_slots, blocks.public, window_slots, visible, rope, csa, hca)
+
+
+def _window_reads(batch: ForwardBatch, blocks: _Blocks, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(window rows [B, Q + W - 1] of each block, visible [B, Q, Q + W - 1])."""
+    q, dev = blocks.public.size, batch.positions.device
+    span = torch.arange(q + window - 1, device=dev)
+    key_pos = blocks.start[:, None] - (window - 1) + span  # [B, Q + W - 1]
     window_slots = batch.slots(WINDOW_KV, 1, key_pos, blocks.req[:, None])
     visible = (key_pos >= 0)[:, None, :]
     if q > 1:
-        offset = span[None, :] - torch.arange(q, device=pos.device)[:, None]  # [Q, Q + W - 1]
+        offset = span[None, :] - torch.arange(q, device=dev)[:, None]  # [Q, Q + W - 1]
         assert blocks.valid is not None
         visible = visible & ((offset >= 0) & (offset < window))[None] & blocks.valid[:, :, None]
-    rope = {name: r.cos_sin(pos, dtype, top) for name, r in rotary.items()}
-    return AttentionMeta(token_slots, blocks.public, window_slots, visible, rope, csa, hca)
+    return window_slots, visible
 
 
 def _decode_compressed(

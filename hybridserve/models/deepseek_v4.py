@@ -154,17 +154,38 @@ class Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(q_res).view(-1, self.heads, self.head_dim), self.cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         self.write_kv(x, (cos, sin), meta.token_slots[WINDOW_KV], cache)
-        keys, visible = read_rows(cache, (WINDOW_KV, self.key, "kv"), meta.window_slots), meta.window_visible
-        selected = None
-        if self.indexer is not None:
-            selected = self._selected_keys(x, q_res, meta, cache)
-        elif self.compressor is not None:
-            hca_keys, hca_visible = self._hca_keys(x, meta, cache)
-            keys, visible = torch.cat([keys, hca_keys], dim=1), torch.cat([visible, hca_visible], dim=-1)
-        blocks, scale = meta.blocks, self.head_dim**-0.5
-        out = blocks.unpad(sink_attention(blocks.pad(q), keys, visible, self.attn_sink, scale, selected))
+        self._pool_step(x, meta, cache)
+        split = meta.split
+        if split is None:
+            out = self._attend(q, q_res, x, meta, cache)
+        else:  # the main group's and the decodes' reads apart, each into its rows
+            out = q.new_empty(q.shape)
+            for rows, reads in ((split.main_rows, meta), (split.decode_rows, split.decode)):
+                out.index_copy_(0, rows, self._attend(q[rows], q_res[rows], x[rows], reads, cache, rows))
         out = apply_rope(out, cos, -sin)
         return self.wo_b(self._grouped_out(out))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        q_res: torch.Tensor,
+        x: torch.Tensor,
+        reads: AttentionMeta,
+        cache: CacheTensors,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the queries ``reads`` describes (``rows``: their step rows; None: every row)."""
+        keys = read_rows(cache, (WINDOW_KV, self.key, "kv"), reads.window_slots)
+        visible, selected = reads.window_visible, None
+        if self.indexer is not None:
+            selected = self._selected_keys(x, q_res, reads, cache, rows)
+        elif self.compressor is not None:
+            assert reads.hca is not None
+            hca = reads.hca
+            keys = torch.cat([keys, read_rows(cache, (HCA_ROWS, self.key, "kv"), hca.read_slots)], dim=1)
+            visible = torch.cat([visible, hca.read_visible], dim=-1)
+        blocks, scale = reads.blocks, self.head_dim**-0.5
+        return blocks.unpad(sink_attention(blocks.pad(q), keys, visible, self.attn_sink, scale, selected))
 
     def write_kv(self, x: torch.Tensor, rope: CosSin, slots: torch.Tensor, cache: CacheTensors) -> None:
         """The tokens' window KV rows (K = V, rope on the last dims) into ``slots``."""
@@ -176,32 +197,41 @@ class Attention(nn.Module):
         w = dense_weight(self.wo_a, x.dtype).view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
         return torch.bmm(x, w).transpose(0, 1).flatten(1)
 
-    def _hca_keys(
-        self, x: torch.Tensor, meta: AttentionMeta, cache: CacheTensors
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool the HCA rows this step completes -> (each block's rows [B, N, d], visible [B, Q, N])."""
-        assert self.compressor is not None and meta.hca is not None
-        hm = meta.hca
-        fields = ("kv", "gate", "kv")
-        self._pool(self.compressor, x, hm, meta.token_slots[HCA_STATE], cache, HCA_STATE, HCA_ROWS, fields)
-        return read_rows(cache, (HCA_ROWS, self.key, "kv"), hm.read_slots), hm.read_visible
+    def _pool_step(self, x: torch.Tensor, meta: AttentionMeta, cache: CacheTensors) -> None:
+        """Store the step's compressor inputs and pool every window it completes (CSA: the indexer's too)."""
+        if self.indexer is not None:
+            assert self.compressor is not None and meta.csa is not None
+            cm, slots = meta.csa, meta.token_slots[CSA_STATE]
+            self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"))
+            fields = ("idx_kv", "idx_gate", "idx")
+            self._pool(self.indexer.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, fields)
+        elif self.compressor is not None:
+            assert meta.hca is not None
+            fields = ("kv", "gate", "kv")
+            slots = meta.token_slots[HCA_STATE]
+            self._pool(self.compressor, x, meta.hca, slots, cache, HCA_STATE, HCA_ROWS, fields)
 
     def _selected_keys(
-        self, x: torch.Tensor, q_res: torch.Tensor, meta: AttentionMeta, cache: CacheTensors
+        self,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        reads: AttentionMeta,
+        cache: CacheTensors,
+        rows: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool the CSA and indexer rows this step completes, then -> (each padded query's top-k rows
-        [B * Q, k, d], visible [B * Q, k])."""
-        assert self.compressor is not None and self.indexer is not None and meta.csa is not None
-        cm, slots = meta.csa, meta.token_slots[CSA_STATE]
-        self._pool(self.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, ("kv", "gate", "kv"))
-        fields = ("idx_kv", "idx_gate", "idx")
-        self._pool(self.indexer.compressor, x, cm, slots, cache, CSA_STATE, CSA_ROWS, fields)
+        """Each padded query's top-k CSA rows [B * Q, k, d] and their visibility [B * Q, k] (``rows``: the
+        queries' step rows, for the rope; None: every row)."""
+        assert self.indexer is not None and reads.csa is not None
+        cm = reads.csa
         idx_keys = read_rows(cache, (CSA_ROWS, self.key, "idx"), cm.read_slots)
-        picked, ok = self.indexer.select(x, q_res, idx_keys, cm, meta.rope["compress"], meta.blocks)
+        cos, sin = reads.rope["compress"]
+        if rows is not None:
+            cos, sin = cos[rows], sin[rows]
+        picked, ok = self.indexer.select(x, q_res, idx_keys, cm, (cos, sin), reads.blocks)
         B, N = cm.read_slots.shape
-        per_query = cm.read_slots[:, None, :].expand(B, meta.blocks.size, N)
-        rows = per_query.gather(2, picked.view(B, meta.blocks.size, picked.shape[1]))  # sort indices: < N
-        return read_rows(cache, (CSA_ROWS, self.key, "kv"), rows.flatten(0, 1)), ok
+        per_query = cm.read_slots[:, None, :].expand(B, reads.blocks.size, N)
+        picked_rows = per_query.gather(2, picked.view(B, reads.blocks.size, picked.shape[1]))  # indices < N
+        return read_rows(cache, (CSA_ROWS, self.key, "kv"), picked_rows.flatten(0, 1)), ok
 
     def _pool(
         self,

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.models import deepseek_v4
+from hybridserve.models.attention_meta import AttentionMeta
 from tests.proofs import MismatchProof, prove_mismatch
 from tests.reference import reference_greedy
 from tests.tiny_models import VOCAB
@@ -31,6 +34,20 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
 
 
+def _count_split_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of the steps whose metadata reads the decodes apart (``AttentionMeta.split``)."""
+    count = [0]
+    build = deepseek_v4.build_meta
+
+    def counting(*args: Any, **kwargs: Any) -> AttentionMeta:
+        meta = build(*args, **kwargs)
+        count[0] += meta.split is not None
+        return meta
+
+    monkeypatch.setattr(deepseek_v4, "build_meta", counting)
+    return count
+
+
 CASES = {
     "one_at_a_time": dict(max_num_seqs=1, max_num_batched_tokens=64),
     "four_chunked": dict(max_num_seqs=4, max_num_batched_tokens=13),
@@ -44,12 +61,15 @@ CASES = {
 @pytest.mark.parametrize("model_name", ["mixed", "csa_heavy"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_concurrent_greedy_equals_batch1_reference(
-    tiny_checkpoint: Callable[[str], Path], model_name: str, case: str
+    tiny_checkpoint: Callable[[str], Path], model_name: str, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_checkpoint(model_name)
     llm = LLM(str(folder), block_tokens=8, **CASES[case])
     prompts = _prompts(18, seed=11)
+    splits = _count_split_steps(monkeypatch)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    if case == "sixteen":
+        assert splits[0] > 0  # mixed steps that read their decodes apart
     if case == "preempting":
         assert llm.engine.scheduler.num_preemptions > 0
     if case == "four_chunked":

@@ -27,9 +27,9 @@ from hybridserve.models.attention_meta import (
     CSA_STATE,
     HCA_ROWS,
     HCA_STATE,
+    SPLIT_MIN_TOKENS,
     WINDOW_KV,
     AttentionMeta,
-    CompressedMeta,
     build_meta,
     decode_meta,
     visible_rows,
@@ -179,7 +179,7 @@ class Scenario:
 def _scenarios() -> Iterator[tuple[tuple[int, int, int, int], int, list[str]]]:
     rng = random.Random(0)
     mixes = [["decode"] * 5, ["prefill"], ["chunk", "chunk"], ["prefix"], ["prefix", "decode", "chunk"]]
-    mixes += [["boundary"] * 4, ["boundary", "decode", "prefix"]]
+    mixes += [["boundary"] * 4, ["boundary", "decode", "prefix"], ["decode", "prefill", "decode", "chunk"]]
     mixes += [[rng.choice(KINDS) for _ in range(rng.randrange(1, 7))] for _ in range(10)]
     for g, geometry in enumerate(GEOMETRIES):
         for i, kinds in enumerate(mixes):
@@ -207,23 +207,39 @@ def _token_blocks(meta: AttentionMeta, tokens: int) -> tuple[torch.Tensor, torch
     return rows // meta.blocks.size, rows % meta.blocks.size
 
 
+def _groups(meta: AttentionMeta, tokens: int) -> list[tuple[AttentionMeta, torch.Tensor]]:
+    """(reads, step rows) of each query group: the step's, or the main group's and the decodes'."""
+    if meta.split is None:
+        return [(meta, torch.arange(tokens))]
+    split = meta.split
+    assert split.decode.blocks.size == 1 and split.decode_rows.numel() >= 2
+    rows = torch.cat([split.main_rows, split.decode_rows])
+    _equal(rows.sort().values, torch.arange(tokens))  # every token in one group
+    return [(meta, split.main_rows), (split.decode, split.decode_rows)]
+
+
 def _check_window(new: AttentionMeta, old: dict[str, Any], tokens: int) -> None:
     """Each token's visible window slots, in key order, are the old per-token ones; padded queries see
     nothing."""
-    b, i = _token_blocks(new, tokens)
-    visible = new.window_visible[b, i]
-    _equal(visible.sum(1), old["window_visible"].sum(1))
-    _equal(new.window_slots[b][visible], old["window_slots"][old["window_visible"]])
-    assert int(new.window_visible.sum()) == int(visible.sum())
+    for reads, rows in _groups(new, tokens):
+        b, i = _token_blocks(reads, rows.numel())
+        visible = reads.window_visible[b, i]
+        old_visible = old["window_visible"][rows]
+        _equal(visible.sum(1), old_visible.sum(1))
+        _equal(reads.window_slots[b][visible], old["window_slots"][rows][old_visible])
+        assert int(reads.window_visible.sum()) == int(visible.sum())
 
 
-def _check_branch(new: CompressedMeta, old: OldCompressed, rotary: Rotary, meta: AttentionMeta) -> None:
-    b, i = _token_blocks(meta, old.read_slots.shape[0])
-    _equal(new.read_slots[b], old.read_slots)
-    _equal(new.read_visible[b, i], old.read_visible)
-    rows = b * meta.blocks.size + i
-    _equal(new.read_count[rows], old.read_visible.sum(dim=1, keepdim=True))
-    assert int(new.read_count.sum()) == int(new.read_count[rows].sum())  # padding sees no row
+def _check_branch(name: str, old: OldCompressed, rotary: Rotary, meta: AttentionMeta) -> None:
+    for reads, token_rows in _groups(meta, old.read_slots.shape[0]):
+        branch = getattr(reads, name)
+        b, i = _token_blocks(reads, token_rows.numel())
+        _equal(branch.read_slots[b], old.read_slots[token_rows])
+        _equal(branch.read_visible[b, i], old.read_visible[token_rows])
+        rows = b * reads.blocks.size + i
+        _equal(branch.read_count[rows], old.read_visible[token_rows].sum(dim=1, keepdim=True))
+        assert int(branch.read_count.sum()) == int(branch.read_count[rows].sum())  # padding sees no row
+    new = getattr(meta, name)
     k = old.done.numel()
     rows = new.new_rows
     if rows is None:
@@ -263,7 +279,7 @@ def test_meta_equals_the_old_computation(
     for name in ("csa", "hca"):
         branch = getattr(new, name)
         assert branch is not None
-        _check_branch(branch, old[name], rotary, new)
+        _check_branch(name, old[name], rotary, new)
         if pad:
             rows = branch.new_rows
             assert rows is not None
@@ -288,6 +304,38 @@ def test_prefix_scenarios_start_from_a_hit_with_null_window_blocks() -> None:
                 if sched.start > s.cfg.sliding_window + s.block:
                     assert tables[WINDOW_KV][0] == 0
     assert len(starts) >= 5
+
+
+@pytest.mark.parametrize(
+    ("kinds", "split"),
+    [
+        (["decode", "prefill", "decode", "chunk", "prefill"], True),
+        (["prefill", "decode", "decode", "prefill", "prefill"], True),
+        (["decode", "prefill"], False),  # one decode: a dim of 1 in a compiled step
+        (["decode"] * 5, False),
+        (["prefill", "chunk"], False),
+    ],
+)
+def test_mixed_steps_read_their_decodes_apart(kinds: list[str], split: bool) -> None:
+    """Two or more one-token requests beside longer chunks get their own one-query blocks; the main
+    group's blocks cover only the other requests' tokens."""
+    s = Scenario(GEOMETRIES[1], 11)
+    for kind in kinds:
+        s.add(kind)
+    batch = s.batch()
+    meta = _meta(s, batch)
+    counts = [x.num_tokens for x in s.scheduled]
+    if split:  # the scenario has what a split needs: two decodes, SPLIT_MIN_TOKENS others
+        assert sum(n for n in counts if n > 1) >= SPLIT_MIN_TOKENS and counts.count(1) >= 2
+    assert (meta.split is not None) == split
+    if meta.split is None:
+        return
+    firsts = [sum(counts[:r]) for r in range(len(counts))]
+    decode_rows = [f for f, n in zip(firsts, counts, strict=True) if n == 1]
+    assert meta.split.decode_rows.tolist() == decode_rows
+    assert meta.blocks.size > 1
+    padded = meta.blocks.padded if meta.blocks.token_rows is not None else meta.split.main_rows.numel()
+    assert meta.window_slots.shape[0] * meta.blocks.size == padded
 
 
 def test_hand_built_batch_derives_the_same_layout() -> None:
