@@ -1,19 +1,58 @@
-"""Helpers for speculative-decoding tests: an oracle drafter and poisoning of rolled-back cache rows."""
+"""Helpers for speculative-decoding tests: prompts, an oracle drafter, poisoning of rolled-back cache rows
+and the check against the batch-1 reference."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.engine.core import EngineCore
 from hybridserve.engine.rejection_sampler import RejectionSampler
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, SamplingParams
+from tests.proofs import prove_mismatch
+from tests.tiny_models import VOCAB
 
 POISON = 1e4
+MAX_NEW = 12
+KV = "48MiB"  # pools of a few MiB per engine (the default 1 GiB is resident once zeroed)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def spec_prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """``n`` random prompts of 1-40 tokens after ``shared_prefix`` common ones."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (shared_prefix,), generator=g).tolist()
+    lengths = torch.randint(1, 41, (n,), generator=g).tolist()
+    return [prefix + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+def poison_after_steps(core: EngineCore) -> None:
+    """Poison every unverified cache row after each of ``core``'s steps."""
+    step = core.step
+
+    def poisoned_step() -> list:
+        outputs = step()
+        poison_unverified_rows(core)
+        return outputs
+
+    core.step = poisoned_step  # type: ignore[method-assign]
+
+
+def check_greedy(folder: Path, prompts: list[list[int]], outputs: list, expected: list[list[int]]) -> None:
+    """Every output has MAX_NEW tokens; at most a quarter differ from ``expected``, each with a proof."""
+    mismatched = 0
+    for prompt, out, exp in zip(prompts, outputs, expected, strict=True):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == MAX_NEW and out.outputs[0].finish_reason == "length"
+        if ours != exp:
+            mismatched += 1
+            print(prove_mismatch(folder, prompt, ours))
+    assert mismatched <= len(prompts) // 4
 
 
 def mtp(k: int, adaptive: bool = False) -> dict[str, object]:

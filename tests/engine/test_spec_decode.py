@@ -12,37 +12,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.core import EngineCore
-from tests.engine.spec_helpers import mtp, oracle_drafts, poison_unverified_rows
-from tests.proofs import prove_mismatch
+from tests.engine.spec_helpers import (
+    GREEDY,
+    KV,
+    MAX_NEW,
+    check_greedy,
+    mtp,
+    oracle_drafts,
+    poison_after_steps,
+    spec_prompts,
+)
 from tests.reference import reference_greedy
-from tests.tiny_models import VOCAB
-
-MAX_NEW = 12
-KV = "48MiB"  # pools of a few MiB per engine (the default 1 GiB is resident once zeroed)
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-def _prompts(n: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, VOCAB, (shared_prefix,), generator=g).tolist()
-    lengths = torch.randint(1, 41, (n,), generator=g).tolist()
-    return [prefix + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
-
-
-def _poisoning(core: EngineCore) -> None:
-    step = core.step
-
-    def poisoned_step() -> list:
-        outputs = step()
-        poison_unverified_rows(core)
-        return outputs
-
-    core.step = poisoned_step  # type: ignore[method-assign]
-
 
 CASES = {
     "batched": (dict(max_num_seqs=8, max_num_batched_tokens=64), 0),
@@ -55,17 +37,6 @@ CASES = {
 }
 
 
-def _check(folder: Path, prompts: list[list[int]], outputs: list, expected: list[list[int]]) -> None:
-    mismatched = 0
-    for prompt, out, exp in zip(prompts, outputs, expected, strict=True):
-        ours = out.outputs[0].token_ids
-        assert len(ours) == MAX_NEW and out.outputs[0].finish_reason == "length"
-        if ours != exp:
-            mismatched += 1
-            print(prove_mismatch(folder, prompt, ours))
-    assert mismatched <= len(prompts) // 4
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_with_mtp_equals_batch1_reference(
@@ -76,7 +47,7 @@ def test_greedy_with_mtp_equals_batch1_reference(
 ) -> None:
     base = tiny_checkpoint("mixed")
     kwargs, shared = CASES[case]
-    prompts = _prompts(6, seed=5, shared_prefix=shared)
+    prompts = spec_prompts(6, seed=5, shared_prefix=shared)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
     with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
         llm = LLM(
@@ -86,8 +57,8 @@ def test_greedy_with_mtp_equals_batch1_reference(
             speculative_config=mtp(k),
             **kwargs,
         )
-        _poisoning(llm.engine)
-        _check(base, prompts, llm.generate(prompts, GREEDY), expected)
+        poison_after_steps(llm.engine)
+        check_greedy(base, prompts, llm.generate(prompts, GREEDY), expected)
     snap = llm.engine.snapshot()
     assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
     assert sum(snap.spec_accepted_per_pos) == snap.spec_num_accepted_tokens
@@ -106,11 +77,11 @@ def test_random_mtp_drafter_never_changes_a_token(
     tiny_checkpoint: Callable[[str], Path], mtp_checkpoint: Callable[[str], Path], model_name: str
 ) -> None:
     """The MTP layer's own (random, nearly always rejected) drafts: output equals speculation off."""
-    prompts = _prompts(6, seed=2)
+    prompts = spec_prompts(6, seed=2)
     kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24)
     plain = LLM(str(mtp_checkpoint(model_name)), **kwargs).generate(prompts, GREEDY)
     llm = LLM(str(mtp_checkpoint(model_name)), speculative_config=mtp(3), **kwargs)
-    _poisoning(llm.engine)
+    poison_after_steps(llm.engine)
     spec = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.snapshot().spec_num_draft_tokens > 0
@@ -124,7 +95,7 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(
 ) -> None:
     """A stop token, EOS, a stop string, max_tokens or max_model_len inside a run of accepted drafts."""
     base = tiny_checkpoint("mixed")
-    prompts = _prompts(4, seed=9)
+    prompts = spec_prompts(4, seed=9)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
     continuations = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
     stop_ids = [[e[5]] for e in expected]
@@ -184,7 +155,7 @@ def test_drafts_count_against_the_token_budget(
         return out
 
     monkeypatch.setattr(llm.engine.scheduler, "schedule", recording)
-    llm.generate(_prompts(4, seed=1), GREEDY)
+    llm.generate(spec_prompts(4, seed=1), GREEDY)
     assert max(seen) <= 10
 
 
@@ -207,73 +178,6 @@ def test_bad_speculative_config_is_refused(
 def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="needs MTP weights"):
         LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
-
-
-def test_speculative_engine_builds_graphs_that_keep_streams(mtp_checkpoint: Callable[[str], Path]) -> None:
-    """With --compile-decode a speculative engine's decode graphs keep each step's streams (its MTP layer
-    reads them); with --compile-prefill it has the prefill graph for the steps that verify drafts."""
-    llm = LLM(
-        str(mtp_checkpoint("mixed")),
-        kv_cache_memory=KV,
-        speculative_config=mtp(2),
-        compile_decode=True,
-        compile_prefill=True,
-    )
-    runner = llm.engine.runner
-    assert runner.decode_graphs is not None and runner.decode_graphs.keep_streams
-    assert runner.prefill_graphs is not None
-    plain = LLM(str(mtp_checkpoint("mixed")), kv_cache_memory=KV, compile_decode=True).engine.runner
-    assert plain.decode_graphs is not None and not plain.decode_graphs.keep_streams
-
-
-@pytest.mark.parametrize(("k", "drafts_off_at"), [(1, None), (3, None), (2, 3)])
-def test_compiled_speculative_steps_equal_the_reference(
-    tiny_checkpoint: Callable[[str], Path],
-    mtp_checkpoint: Callable[[str], Path],
-    monkeypatch: pytest.MonkeyPatch,
-    k: int,
-    drafts_off_at: int | None,
-) -> None:
-    """--compile-decode --compile-prefill with speculation: steps that verify drafts (and the prompt chunks
-    beside them) run through the prefill graph, steps that verify none (here: while ``drafts_off_at``
-    requests run, vLLM's disable_by_batch_size) through a decode graph that keeps its streams for the MTP
-    layer, which runs eagerly. Both traced by dynamo's "eager" backend (as in test_prefill_graphs); oracle
-    drafts are accepted in runs of every length, rolled-back rows are poisoned, and the greedy tokens are
-    the batch-1 reference's."""
-    from hybridserve.engine import decode_graphs, prefill_graphs
-
-    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
-    monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
-    torch._dynamo.reset()
-    base = tiny_checkpoint("mixed")
-    prompts = _prompts(6, seed=5)
-    expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
-    # 4 at a time: with drafts off at 3, the first 4 requests verify none, the last 2 draft
-    kwargs = dict(block_tokens=16, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256)
-    config = {**mtp(k), "disable_by_batch_size": drafts_off_at}
-    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
-        llm = LLM(
-            str(mtp_checkpoint("mixed")),
-            kv_cache_memory=KV,
-            speculative_config=config,
-            compile_decode=True,
-            compile_prefill=True,
-            **kwargs,
-        )
-        llm.engine.warmup()
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        _poisoning(llm.engine)
-        _check(base, prompts, llm.generate(prompts, GREEDY), expected)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
-    prefill = llm.engine.runner.prefill_graphs
-    assert prefill is not None and prefill.steps["compiled"] >= 3
-    snap = llm.engine.snapshot()
-    assert snap.steps_by_path["prefill_graph"] == prefill.steps["compiled"]
-    assert snap.steps_by_path.get("decode_graph", 0) >= (MAX_NEW // 2 if drafts_off_at else 0)
-    assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
-    llm.engine.pools.check_integrity()
-    llm.engine.reset_prefix_cache()
-    assert llm.engine.pools.all_free()
 
 
 def test_generate_and_plan_take_the_speculative_config(
@@ -309,7 +213,7 @@ def test_grammar_constrains_drafts_and_verification(
         seed=3,
         structured_outputs=StructuredOutputsParams(regex=pattern),
     )
-    prompts = _prompts(3, seed=4)
+    prompts = spec_prompts(3, seed=4)
     spec = LLM(folder, block_tokens=8, kv_cache_memory=KV, speculative_config=mtp(3)).generate(
         prompts, params
     )

@@ -1,0 +1,91 @@
+"""Speculative decoding through compiled steps (--compile-decode, --compile-prefill): greedy output equals
+transformers' batch-1 reference, with oracle drafts and poisoned rolled-back rows (as test_spec_decode.py).
+Apart from that file so that the test runner can give these slow tests a worker of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM
+from tests.engine.spec_helpers import (
+    GREEDY,
+    KV,
+    MAX_NEW,
+    check_greedy,
+    mtp,
+    oracle_drafts,
+    poison_after_steps,
+    spec_prompts,
+)
+from tests.reference import reference_greedy
+
+
+def test_speculative_engine_builds_graphs_that_keep_streams(mtp_checkpoint: Callable[[str], Path]) -> None:
+    """With --compile-decode a speculative engine's decode graphs keep each step's streams (its MTP layer
+    reads them); with --compile-prefill it has the prefill graph for the steps that verify drafts."""
+    llm = LLM(
+        str(mtp_checkpoint("mixed")),
+        kv_cache_memory=KV,
+        speculative_config=mtp(2),
+        compile_decode=True,
+        compile_prefill=True,
+    )
+    runner = llm.engine.runner
+    assert runner.decode_graphs is not None and runner.decode_graphs.keep_streams
+    assert runner.prefill_graphs is not None
+    plain = LLM(str(mtp_checkpoint("mixed")), kv_cache_memory=KV, compile_decode=True).engine.runner
+    assert plain.decode_graphs is not None and not plain.decode_graphs.keep_streams
+
+
+@pytest.mark.parametrize(("k", "drafts_off_at"), [(1, None), (3, None), (2, 3)])
+def test_compiled_speculative_steps_equal_the_reference(
+    tiny_checkpoint: Callable[[str], Path],
+    mtp_checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    k: int,
+    drafts_off_at: int | None,
+) -> None:
+    """--compile-decode --compile-prefill with speculation: steps that verify drafts (and the prompt chunks
+    beside them) run through the prefill graph, steps that verify none (here: while ``drafts_off_at``
+    requests run, vLLM's disable_by_batch_size) through a decode graph that keeps its streams for the MTP
+    layer, which runs eagerly. Both traced by dynamo's "eager" backend (as in test_prefill_graphs); oracle
+    drafts are accepted in runs of every length, rolled-back rows are poisoned, and the greedy tokens are
+    the batch-1 reference's."""
+    from hybridserve.engine import decode_graphs, prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
+    monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
+    torch._dynamo.reset()
+    base = tiny_checkpoint("mixed")
+    prompts = spec_prompts(6, seed=5)
+    expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
+    # 4 at a time: with drafts off at 3, the first 4 requests verify none, the last 2 draft
+    kwargs = dict(block_tokens=16, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256)
+    config = {**mtp(k), "disable_by_batch_size": drafts_off_at}
+    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
+        llm = LLM(
+            str(mtp_checkpoint("mixed")),
+            kv_cache_memory=KV,
+            speculative_config=config,
+            compile_decode=True,
+            compile_prefill=True,
+            **kwargs,
+        )
+        llm.engine.warmup()
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        poison_after_steps(llm.engine)
+        check_greedy(base, prompts, llm.generate(prompts, GREEDY), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
+    prefill = llm.engine.runner.prefill_graphs
+    assert prefill is not None and prefill.steps["compiled"] >= 3
+    snap = llm.engine.snapshot()
+    assert snap.steps_by_path["prefill_graph"] == prefill.steps["compiled"]
+    assert snap.steps_by_path.get("decode_graph", 0) >= (MAX_NEW // 2 if drafts_off_at else 0)
+    assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
+    llm.engine.pools.check_integrity()
+    llm.engine.reset_prefix_cache()
+    assert llm.engine.pools.all_free()
