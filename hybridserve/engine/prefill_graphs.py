@@ -14,11 +14,12 @@ tables are all the null block (their writes land there and are zeroed after). Dy
 the first trace happened to see equal, so the warm-up runs steps of unrelated sizes until one runs
 without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
 graph's guards refuse (a dim of size 1, an attention chunking the graph did not trace) runs eagerly on
-the same metadata rather than stopping to compile. A mixed step that reads its decodes apart
-(``AttentionMeta.split``) has a structure of its own: the warm-up compiles its graph too. One-token steps
-take the plain eager path. Where a compiled step of few tokens runs every routed expert
-(``prepare_all_experts``, with --compile-decode), that guard splits the graph in two, and the warm-up
-also runs steps of few tokens to compile the other side. ``steps`` counts the compiled and the eager
+the same metadata rather than stopping to compile. Every step's metadata reads its one-token requests
+apart from the others' chunks (``AttentionMeta.split``; a step without two decodes gets filler entries),
+so steps with and without decodes share the graph. One-token steps take the plain eager path. Where a
+compiled step of few tokens runs every routed expert (``prepare_all_experts``, with --compile-decode),
+that guard splits the graph in two, and the warm-up also runs steps of few tokens to compile the other
+side. ``steps`` counts the compiled and the eager
 runs of the graph's steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
@@ -51,16 +52,12 @@ GRAPH_BACKEND = "inductor"  # tests trace with dynamo's "eager" backend, which c
 BLOCK_SIZES = (2, 4, 8, 16, 32, 64)  # query blocks of one token would specialise a dim to 1
 # Dummy steps of unrelated sizes (tokens per request, first position): the first trace specialises
 # sizes it saw equal, the recompile marks them dynamic, the last must run without compiling.
+# The second has decodes read apart (``AttentionMeta.split``), which the first's filler traced.
 WARMUP_STEPS = (
     ((45, 61, 38), (0, 0, 0)),
+    ((1, 57, 1, 1, 23), (9, 3, 130, 41, 0)),
     ((29, 53, 70, 17), (0, 37, 100, 5)),
     ((83, 22, 57), (11, 64, 3)),
-)
-# Mixed steps whose decodes are read apart (``AttentionMeta.split``) take a graph of their own.
-SPLIT_WARMUP_STEPS = (
-    ((40, 1, 1), (0, 20, 70)),
-    ((1, 57, 1, 1, 23), (9, 3, 130, 41, 0)),
-    ((1, 33, 1, 1), (5, 80, 2, 50)),
 )
 MAX_WARMUP_STEPS = 5
 # Dummy steps of few tokens (at most 8: every model where a compiled step runs all routed experts takes
@@ -127,15 +124,12 @@ class PrefillGraphRunner:
         return batch, streams, "prefill_graph" if compiled else "prefill_graph_refused"
 
     def warmup(self) -> float:
-        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged); then the
-        graph of mixed steps that read their decodes apart. Where a compiled step of few tokens runs every
-        routed expert (``prepare_all_experts``), that guard splits the graph in two, and dummy steps of few
-        tokens compile the second one."""
+        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged). Where a
+        compiled step of few tokens runs every routed expert (``prepare_all_experts``), that guard splits
+        the graph in two, and dummy steps of few tokens compile the second one."""
         start = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():
             self._warm(WARMUP_STEPS)
-            if self.enabled:
-                self._warm(SPLIT_WARMUP_STEPS)
             if self.enabled and self._all_experts_tokens():
                 self._warm(FEW_TOKEN_WARMUP_STEPS)
         self.warmed = True

@@ -11,7 +11,10 @@ a decode step gets Q = 1, which is the per-query form.
 
 A mixed step reads its one-token requests (decodes) apart, as a decode step does (Q = 1), and gives its
 query blocks to the others' chunks (``AttentionMeta.split``): a decode padded to a block of Q would read
-Q + W - 1 window rows for one query.
+Q + W - 1 window rows for one query. A compiled step (``MetaShapes``) always comes in that form, so that
+one graph serves steps with and without decodes: where it has fewer than two decodes, filler entries
+repeat its first main token's reads (the attention writes the decodes' outputs first and the main
+group's over them).
 
 Every shape follows from the batch's host-side layout (Python ints), never from reading a device
 tensor. With ``BatchLayout.pad_windows`` a decode batch of R requests always gets the same shapes but
@@ -92,7 +95,8 @@ class MetaShapes:
 
     Query blocks are picked among ``block_sizes`` (all >= 2), the padded query rows always come as an
     index, and each compressed branch reads ``rows[branch]`` rows (padded past what any query sees; the
-    padding is never visible). Windows are padded too (``BatchLayout.pad_windows``).
+    padding is never visible). Windows are padded too (``BatchLayout.pad_windows``), and the step always
+    reads its decodes apart (``AttentionMeta.split``, filler up to ``MIN_DECODE_ROWS`` entries).
     """
 
     block_sizes: tuple[int, ...]
@@ -119,11 +123,13 @@ class SplitReads:
     """A mixed step's reads in two groups: the multi-token requests' tokens (``main_rows``, in query blocks
     of the step's Q) and the one-token requests' (``decode_rows``, one query a block). ``decode`` holds
     the decode group's reads (its ``token_slots`` empty, its branches without ``new_rows``, the step's
-    ``rope``)."""
+    ``rope``). The first ``decodes`` decode entries are real; the rest (a compiled step's filler) repeat
+    the first main token's row and reads."""
 
     main_rows: torch.Tensor  # [Tm] step rows of the main group, in order
     decode_rows: torch.Tensor  # [Td]
     decode: AttentionMeta
+    decodes: int
 
 
 @dataclass
@@ -154,7 +160,8 @@ def build_meta(
     top = max(layout.ends, default=1) - 1  # positions are < their request's end
     sizes = _BLOCK_SIZES if shapes is None else shapes.block_sizes
     main, decodes = split_requests(layout, window, sizes)
-    requests = None if not decodes else main
+    fill = 0 if shapes is None else MIN_DECODE_ROWS  # a compiled step always splits (one graph)
+    requests = None if not (decodes or fill) else main
     size = query_block_size(layout, window, sizes, requests)
     blocks = _host_blocks(batch, size, always_index=shapes is not None, requests=requests)
     rope = (rotary["compress"], dtype)
@@ -166,8 +173,8 @@ def build_meta(
         reads = None if shapes is None else shapes.rows["hca"]
         hca = _compressed(batch, blocks, rates["hca"], (HCA_STATE, HCA_ROWS), False, rope, reads)
     meta = _with_window(batch, blocks, window, rotary, dtype, top, csa, hca)
-    if decodes:
-        meta.split = _split_reads(batch, meta, main, decodes, window)
+    if decodes or fill:
+        meta.split = _split_reads(batch, meta, main, decodes, window, fill)
     return meta
 
 
@@ -185,18 +192,19 @@ def split_requests(layout: BatchLayout, window: int, sizes: tuple[int, ...]) -> 
 
 
 def _split_reads(
-    batch: ForwardBatch, meta: AttentionMeta, main: list[int], decodes: list[int], window: int
+    batch: ForwardBatch, meta: AttentionMeta, main: list[int], decodes: list[int], window: int, fill: int
 ) -> SplitReads:
-    """The decode group's reads (one query a block), beside ``meta``'s for the main group."""
+    """The decode group's reads (one query a block), beside ``meta``'s for the main group; filler entries
+    (the first main token's) up to ``fill`` entries."""
     layout = batch.host_layout()
     first = [0]
     for start, end in zip(layout.starts, layout.ends, strict=True):
         first.append(first[-1] + end - start)
     main_rows = [t for r in main for t in range(first[r], first[r + 1])]
-    decode_rows = [first[r] for r in decodes]
-    dev = batch.positions.device
-    host = host_tensor(main_rows + decode_rows + decodes + [layout.starts[r] for r in decodes]).to(dev)
-    main_t, rows_t, req_t, start_t = host.split([len(main_rows), len(decodes), len(decodes), len(decodes)])
+    reqs = decodes + [main[0]] * max(fill - len(decodes), 0)
+    n, dev = len(reqs), batch.positions.device
+    host = host_tensor(main_rows + [first[r] for r in reqs] + reqs + [layout.starts[r] for r in reqs]).to(dev)
+    main_t, rows_t, req_t, start_t = host.split([len(main_rows), n, n, n])
     blocks = _Blocks(QueryBlocks(1, None, None), req_t, start_t, None)
     csa = hca = None
     if meta.csa is not None:
@@ -205,7 +213,7 @@ def _split_reads(
         hca = _reads(batch, blocks, meta.hca.rate, HCA_ROWS, _row_ids(meta.hca), None)
     window_slots, visible = _window_reads(batch, blocks, window)
     decode = AttentionMeta({}, blocks.public, window_slots, visible, meta.rope, csa, hca)
-    return SplitReads(main_t, rows_t, decode)
+    return SplitReads(main_t, rows_t, decode, len(decodes))
 
 
 def _row_ids(branch: CompressedMeta) -> torch.Tensor:
@@ -240,9 +248,10 @@ def decode_meta(
 
 
 # The fewest tokens of multi-token requests for which a step reads its decodes apart: a step of few
-# tokens gains little, and one of at most 8 keeps one form (a compiled step of few tokens may run every
-# routed expert, a second graph already).
+# tokens gains little (a compiled one keeps every request in its main group, beside filler decodes).
 SPLIT_MIN_TOKENS = 16
+# A compiled step's decode group has at least this many entries (a dim of 1 would be specialised).
+MIN_DECODE_ROWS = 2
 # Candidate query-block sizes, and the cost of gathering a key row relative to scoring it for one query.
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _GATHER_COST = 4.0

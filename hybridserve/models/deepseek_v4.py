@@ -158,9 +158,9 @@ class Attention(nn.Module):
         split = meta.split
         if split is None:
             out = self._attend(q, q_res, x, meta, cache)
-        else:  # the main group's and the decodes' reads apart, each into its rows
+        else:  # the decodes' and the main group's reads apart, each into its rows (filler: main's after)
             out = q.new_empty(q.shape)
-            for rows, reads in ((split.main_rows, meta), (split.decode_rows, split.decode)):
+            for rows, reads in ((split.decode_rows, split.decode), (split.main_rows, meta)):
                 out.index_copy_(0, rows, self._attend(q[rows], q_res[rows], x[rows], reads, cache, rows))
         out = apply_rope(out, cos, -sin)
         return self.wo_b(self._grouped_out(out))

@@ -27,9 +27,11 @@ from hybridserve.models.attention_meta import (
     CSA_STATE,
     HCA_ROWS,
     HCA_STATE,
+    MIN_DECODE_ROWS,
     SPLIT_MIN_TOKENS,
     WINDOW_KV,
     AttentionMeta,
+    MetaShapes,
     build_meta,
     decode_meta,
     visible_rows,
@@ -336,6 +338,56 @@ def test_mixed_steps_read_their_decodes_apart(kinds: list[str], split: bool) -> 
     assert meta.blocks.size > 1
     padded = meta.blocks.padded if meta.blocks.token_rows is not None else meta.split.main_rows.numel()
     assert meta.window_slots.shape[0] * meta.blocks.size == padded
+
+
+COMPILED_ROWS = 64  # each branch's padded row reads in the compiled form: past what these steps see
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ["decode", "prefill", "decode", "chunk", "prefill"],
+        ["decode", "prefill"],
+        ["prefill", "chunk"],
+        ["decode"] * 5,
+        ["decode", "decode", "boundary"],
+    ],
+)
+def test_compiled_steps_always_read_their_decodes_apart(kinds: list[str]) -> None:
+    """A compiled step's metadata (``MetaShapes``) always comes split, so that one graph serves steps with
+    and without decodes: the decodes are those the eager form reads apart (none where it reads none), and
+    filler entries up to two repeat the first main token's row. Every entry, filler included, reads its
+    token's window and compressed rows as the old per-token computation does."""
+    s = Scenario(GEOMETRIES[1], 11)
+    for kind in kinds:
+        s.add(kind)
+    batch = s.batch(pad_windows=True)
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    assert max(visible_rows(batch.host_layout(), m) for m in rates.values()) <= COMPILED_ROWS
+    shapes = MetaShapes((2, 4, 8, 16, 32, 64), {"csa": COMPILED_ROWS, "hca": COMPILED_ROWS})
+    meta = build_meta(batch, s.cfg.sliding_window, rates, _rotary(s.cfg), torch.float32, shapes)
+    split = meta.split
+    assert split is not None and split.decode.blocks.size == 1
+    counts = [x.num_tokens for x in s.scheduled]
+    firsts = [sum(counts[:r]) for r in range(len(counts))]
+    eager = _meta(s, batch).split
+    decodes = [r for r, n in enumerate(counts) if n == 1] if eager is not None else []
+    main = [r for r in range(len(counts)) if r not in decodes]
+    assert split.decodes == len(decodes) and split.decode_rows.numel() == max(len(decodes), MIN_DECODE_ROWS)
+    fill = [firsts[main[0]]] * (split.decode_rows.numel() - len(decodes))
+    assert split.decode_rows.tolist() == [firsts[r] for r in decodes] + fill
+    assert split.main_rows.tolist() == [t for r in main for t in range(firsts[r], firsts[r] + counts[r])]
+    old = old_build_meta(batch, s.cfg.sliding_window, rates)
+    rows, reads = split.decode_rows, split.decode
+    visible = reads.window_visible[:, 0]
+    _equal(visible.sum(1), old["window_visible"][rows].sum(1))
+    _equal(reads.window_slots[visible], old["window_slots"][rows][old["window_visible"][rows]])
+    for name in ("csa", "hca"):
+        branch, reference = getattr(reads, name), old[name]
+        n = reference.read_slots.shape[1]
+        _equal(branch.read_visible[:, 0, :n], reference.read_visible[rows])
+        assert not branch.read_visible[:, 0, n:].any()
+        _equal(branch.read_slots[:, :n], reference.read_slots[rows])
 
 
 def test_hand_built_batch_derives_the_same_layout() -> None:
