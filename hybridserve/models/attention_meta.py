@@ -159,10 +159,9 @@ def build_meta(
     layout = batch.host_layout()
     top = max(layout.ends, default=1) - 1  # positions are < their request's end
     sizes = _BLOCK_SIZES if shapes is None else shapes.block_sizes
-    main, decodes = split_requests(layout, window, sizes)
+    main, decodes, size = split_requests(layout, window, sizes)
     fill = 0 if shapes is None else MIN_DECODE_ROWS  # a compiled step always splits (one graph)
     requests = None if not (decodes or fill) else main
-    size = query_block_size(layout, window, sizes, requests)
     blocks = _host_blocks(batch, size, always_index=shapes is not None, requests=requests)
     rope = (rotary["compress"], dtype)
     csa = hca = None
@@ -178,17 +177,20 @@ def build_meta(
     return meta
 
 
-def split_requests(layout: BatchLayout, window: int, sizes: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """(multi-token requests, one-token requests) of a step whose decodes are read apart: at least two
-    decodes (one would be a dim of 1 in a compiled step), ``SPLIT_MIN_TOKENS`` others in query blocks of
-    more than one token; else (every request, [])."""
+def split_requests(
+    layout: BatchLayout, window: int, sizes: tuple[int, ...]
+) -> tuple[list[int], list[int], int]:
+    """(multi-token requests, one-token requests, the first group's query block size) of a step whose
+    decodes are read apart: at least two decodes (one would be a dim of 1 in a compiled step),
+    ``SPLIT_MIN_TOKENS`` others in query blocks of more than one token; else (every request, [], Q)."""
     counts = [end - start for start, end in zip(layout.starts, layout.ends, strict=True)]
     decodes = [r for r, n in enumerate(counts) if n == 1]
     main = [r for r, n in enumerate(counts) if n > 1]
-    few = sum(counts[r] for r in main) < SPLIT_MIN_TOKENS
-    if len(decodes) < 2 or few or query_block_size(layout, window, sizes, main) == 1:
-        return list(range(len(counts))), []
-    return main, decodes
+    if len(decodes) >= 2 and sum(counts[r] for r in main) >= SPLIT_MIN_TOKENS:
+        size = query_block_size(layout, window, sizes, main)
+        if size > 1:
+            return main, decodes, size
+    return list(range(len(counts))), [], query_block_size(layout, window, sizes)
 
 
 def _split_reads(
