@@ -19,8 +19,7 @@ apart from the others' chunks (``AttentionMeta.split``; a step without two decod
 so steps with and without decodes share the graph. One-token steps take the plain eager path. Where a
 compiled step of few tokens runs every routed expert (``prepare_all_experts``, with --compile-decode),
 that guard splits the graph in two, and the warm-up also runs steps of few tokens to compile the other
-side. ``steps`` counts the compiled and the eager
-runs of the graph's steps.
+side. ``steps`` counts the compiled and the eager runs of the graph's steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
 """
@@ -52,7 +51,7 @@ GRAPH_BACKEND = "inductor"  # tests trace with dynamo's "eager" backend, which c
 BLOCK_SIZES = (2, 4, 8, 16, 32, 64)  # query blocks of one token would specialise a dim to 1
 # Dummy steps of unrelated sizes (tokens per request, first position): the first trace specialises
 # sizes it saw equal, the recompile marks them dynamic, the last must run without compiling.
-# The second has decodes read apart (``AttentionMeta.split``), which the first's filler traced.
+# The second has real decodes where the first traced filler ones (``AttentionMeta.split``).
 WARMUP_STEPS = (
     ((45, 61, 38), (0, 0, 0)),
     ((1, 57, 1, 1, 23), (9, 3, 130, 41, 0)),

@@ -18,6 +18,7 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.batch import build_forward_batch
+from hybridserve.engine.prefill_graphs import BLOCK_SIZES
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import ForwardBatch
@@ -364,7 +365,7 @@ def test_compiled_steps_always_read_their_decodes_apart(kinds: list[str]) -> Non
     batch = s.batch(pad_windows=True)
     rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
     assert max(visible_rows(batch.host_layout(), m) for m in rates.values()) <= COMPILED_ROWS
-    shapes = MetaShapes((2, 4, 8, 16, 32, 64), {"csa": COMPILED_ROWS, "hca": COMPILED_ROWS})
+    shapes = MetaShapes(BLOCK_SIZES, {"csa": COMPILED_ROWS, "hca": COMPILED_ROWS})
     meta = build_meta(batch, s.cfg.sliding_window, rates, _rotary(s.cfg), torch.float32, shapes)
     split = meta.split
     assert split is not None and split.decode.blocks.size == 1
