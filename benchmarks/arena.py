@@ -25,7 +25,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.plan import CachePlanError
 from hybridserve.config import default_model_path
-from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.core.scheduler import SchedulerOutput
 
 WORKLOADS = {"long": (512, 128, 16), "short": (32, 32, 64)}  # prompt tokens, new tokens, requests
 

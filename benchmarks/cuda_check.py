@@ -158,7 +158,7 @@ def _free() -> None:
 
 def core(llm: Any) -> Any:
     """The LLM's single engine core (no data parallelism here)."""
-    from hybridserve.engine.core import EngineCore
+    from hybridserve.engine.core.engine_core import EngineCore
 
     assert isinstance(llm.engine, EngineCore)
     return llm.engine

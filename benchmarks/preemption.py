@@ -22,7 +22,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import default_model_path
-from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.core.scheduler import SchedulerOutput
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:

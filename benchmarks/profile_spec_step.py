@@ -18,9 +18,9 @@ import torch
 from spec_decode import _prompts  # benchmarks/ is on the path when run as a script
 
 from hybridserve.config import EngineConfig, default_model_path
-from hybridserve.engine.core import EngineCore
-from hybridserve.engine.rejection_sampler import RejectionSampler
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
+from hybridserve.engine.sample.rejection_sampler import RejectionSampler
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 PARTS: dict[str, tuple[Any, str]] = {

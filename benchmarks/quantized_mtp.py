@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hybridserve.config import EngineConfig, default_model_path
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.models.quantize import quantize_checkpoint
 from hybridserve.tokenizer import load_tokenizer

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hybridserve.config import EngineConfig, default_model_path
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.tokenizer import load_tokenizer
 

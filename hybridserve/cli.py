@@ -46,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The cache plan an engine started with these flags builds (the engine's own ``plan_cache``)."""
-    from hybridserve.engine.cache_plan import plan_cache
+    from hybridserve.engine.worker.cache_plan import plan_cache
     from hybridserve.models.loader import build_meta_model, read_config
 
     config = EngineConfig.from_cli(args)
@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # batch-1 decode 1.8x slower than 1 (benchmarks/README.md).
     _set_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
     if args.headless:
-        from hybridserve.engine.headless import run_headless
+        from hybridserve.engine.core.headless import run_headless
 
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from hybridserve.server.router_launch import run_router
+    from hybridserve.router.launch import run_router
 
     return run_router(args)
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
             add_server_args(p)
     router = sub.add_parser("router", help="route the OpenAI API to prefill and decode workers")
-    from hybridserve.server.router_launch import add_router_args
+    from hybridserve.router.launch import add_router_args
 
     add_router_args(router)
     router.set_defaults(fn=cmd_router)

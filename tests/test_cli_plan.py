@@ -10,7 +10,7 @@ import pytest
 
 from hybridserve.cli import build_parser, main
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 
 CASES = {
     "fp8_cache_block16": (

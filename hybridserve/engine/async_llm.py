@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCoreOutput
-from hybridserve.engine.core_client import EngineCoreClient
-from hybridserve.engine.dp_client import DPEngineCoreClient
+from hybridserve.engine.client.core_client import EngineCoreClient
+from hybridserve.engine.client.dp_client import DPEngineCoreClient
+from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
 from hybridserve.engine.messages import (
     AddRequest,

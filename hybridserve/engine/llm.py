@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore
-from hybridserve.engine.dp_engine import DataParallelEngine
+from hybridserve.engine.client.dp_engine import DataParallelEngine
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.tokenizer import Tokenizer, load_chat_template, load_tokenizer

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from hybridserve.engine.core import EngineCoreOutput
+from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.request import FinishReason, RemotePrefill, SamplingParams
 from hybridserve.engine.stats import EngineSnapshot

@@ -89,9 +89,9 @@ class QueryBlocks:
 
 @dataclass(frozen=True)
 class MetaShapes:
-    """Metadata shaped for a graph compiled with dynamic sizes (``engine/prefill_graphs.py``), so that one
-    graph serves every step: no shortcut that changes the structure (the identity query rows, a branch
-    that completes no window) and no dim whose size could be 0 or 1, which dynamo would specialise.
+    """Metadata shaped for a graph compiled with dynamic sizes (``engine/worker/prefill_graphs.py``), so
+    that one graph serves every step: no shortcut that changes the structure (the identity query rows, a
+    branch that completes no window) and no dim whose size could be 0 or 1, which dynamo would specialise.
 
     Query blocks are picked among ``block_sizes`` (all >= 2), the padded query rows always come as an
     index, and each compressed branch reads ``rows[branch]`` rows (padded past what any query sees; the

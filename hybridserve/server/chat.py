@@ -13,8 +13,8 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, SamplingParams
 from hybridserve.server.constraints import checked
-from hybridserve.server.disagg import prefill_answer
 from hybridserve.server.errors import APIError
+from hybridserve.server.kv_transfer_params import prefill_answer
 from hybridserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,

@@ -7,7 +7,7 @@ from typing import Any
 
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import StructuredOutputsParams
-from hybridserve.engine.structured import check_spec
+from hybridserve.engine.sample.structured_outputs import check_spec
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import _SamplingFields
 

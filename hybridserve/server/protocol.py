@@ -104,7 +104,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving (server/disagg.py)
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated serving (server/kv_transfer_params.py)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS
     )

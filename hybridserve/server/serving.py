@@ -16,8 +16,8 @@ from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.server.constraints import structured_outputs
-from hybridserve.server.disagg import apply_kv_transfer
 from hybridserve.server.errors import APIError
+from hybridserve.server.kv_transfer_params import apply_kv_transfer
 from hybridserve.server.protocol import PromptLogprob, PromptTokensDetails, Usage, _SamplingFields
 from hybridserve.server.streams import merge, unless_disconnected
 

@@ -48,7 +48,7 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | No
     for t in tools:
         t["function"].setdefault("parameters", {"type": "object"})
     named: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
-    import xgrammar as xgr  # here: see engine/structured.py on why xgrammar is imported on first use
+    import xgrammar as xgr  # here: see engine/sample/structured_outputs.py on why (imported on first use)
 
     tag = xgr.get_model_structural_tag(
         "deepseek_v3_1",

@@ -1,9 +1,9 @@
 """The MTP layer applied as the engine drafts with it: depth 1 on the trunk's streams, depth k > 1 on its
 own output one position further, every depth reading the one window of MTP rows.
 
-At draft time (engine/spec_decode.py) the chain starts at the last verified position b: depth 1 runs at
-b on the trunk's streams h[b] and token b+1; depth k runs at position b+k-1 on depth k-1's output and the
-token it drafted, and its window holds depth-1 rows at positions <= b (built from the trunk's streams)
+At draft time (engine/spec_decode/decoder.py) the chain starts at the last verified position b: depth 1
+runs at b on the trunk's streams h[b] and token b+1; depth k runs at position b+k-1 on depth k-1's output
+and the token it drafted, and its window holds depth-1 rows at positions <= b (built from the trunk's streams)
 and the chain's own rows b+1 .. b+k-1. Training every base b at once, depth k is a segment of queries
 appended to the sequence, with a mask that shows each query exactly those rows:
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 
 KILL_AT_STEP = 4
 

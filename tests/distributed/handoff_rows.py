@@ -6,7 +6,7 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.distributed.handoff import handoff_blocks
+from hybridserve.kv_transfer.handoff import handoff_blocks
 
 
 def moved_rows(

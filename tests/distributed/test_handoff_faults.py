@@ -20,12 +20,12 @@ import pytest
 import torch
 import zmq
 
-import hybridserve.distributed.disagg as disagg
+import hybridserve.kv_transfer.transport as disagg
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.distributed.disagg import KvHandoff, KvReceiver, KvSender, Pull, PullReply
-from hybridserve.distributed.kv_transfer_group import PREFILL_RANK, PlanFingerprint
+from hybridserve.kv_transfer.transfer_group import PREFILL_RANK, PlanFingerprint
+from hybridserve.kv_transfer.transport import KvHandoff, KvReceiver, KvSender, Pull, PullReply
 from tests.cache.helpers import toy_specs
 from tests.distributed.handoff_rows import moved_rows
 

@@ -9,8 +9,8 @@ import torch
 
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.engine.llm import LLM
-from hybridserve.engine.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.request import RequestOutput, SamplingParams
+from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from tests.tiny_models import VOCAB
 
 # Compiled steps pick query blocks of 2 or more and pad compressed reads: other matmul groupings than the

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from hybridserve.cache.pool import NULL_BLOCK
-from hybridserve.engine.core import EngineCore
-from hybridserve.engine.rejection_sampler import RejectionSampler
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
+from hybridserve.engine.sample.rejection_sampler import RejectionSampler
 from tests.proofs import prove_mismatch
 from tests.tiny_models import VOCAB
 

@@ -11,9 +11,9 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.plan import CachePlan, CachePlanError
 from hybridserve.config import EngineConfig
-from hybridserve.engine.cache_plan import build_cache_plan
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request
+from hybridserve.engine.worker.cache_plan import build_cache_plan
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.loader import read_config

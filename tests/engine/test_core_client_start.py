@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core_client import EngineCoreClient, ready_deadline
-from hybridserve.engine.dp_client import DPEngineCoreClient
+from hybridserve.engine.client.core_client import EngineCoreClient, ready_deadline
+from hybridserve.engine.client.dp_client import DPEngineCoreClient
 from hybridserve.engine.errors import EngineDeadError
 
 

@@ -12,13 +12,13 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.engine import decode_graphs
-from hybridserve.engine.batch import build_forward_batch
-from hybridserve.engine.decode_graphs import DecodeGraphRunner, batch_buckets, row_bucket
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.worker import decode_graphs
+from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner, batch_buckets, row_bucket
+from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers import moe
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 from hybridserve.models.loader import load_model

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.distributed.disagg import KvHandoff
-from hybridserve.engine.disagg import DecodeRole
+from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import RemotePrefill, Request, SamplingParams
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.kv_transfer.roles import DecodeRole
+from hybridserve.kv_transfer.transport import KvHandoff
 from tests.cache.helpers import toy_specs
 
 BLOCK = 8

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.dp_router import PREFIX_SLACK, PREFIX_STEP, RankRouter
+from hybridserve.engine.client.rank_router import PREFIX_SLACK, PREFIX_STEP, RankRouter
 
 
 def test_new_requests_go_to_the_least_loaded_rank_and_finishes_free_it() -> None:

@@ -96,7 +96,7 @@ def test_plan_bytes_follow_the_cache_dtype(tiny_checkpoint: Callable[[str], Path
 def test_fp8_cache_where_unsupported_explains_the_fallback(
     tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hybridserve.engine.cache_plan as cache_plan
+    import hybridserve.engine.worker.cache_plan as cache_plan
 
     monkeypatch.setattr(cache_plan, "fp8_supported", lambda device: "no float8 kernels")
     with pytest.raises(ValueError, match=r"cannot store float8_e4m3fn.*--kv-cache-dtype auto"):

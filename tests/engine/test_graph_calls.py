@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.engine.graph_calls import GraphCall, RecordingBackend, direct_call
+from hybridserve.engine.worker.graph_calls import GraphCall, RecordingBackend, direct_call
 
 
 def _graph(*args: object) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import OutputTokens, Request, SamplingParams
-from hybridserve.engine.scheduler import ScheduledRequest
 from tests.models.test_attention_meta_static import GEOMETRIES, KINDS, Scenario
 
 

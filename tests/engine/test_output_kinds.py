@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from hybridserve.config import default_model_path
-from hybridserve.engine.core import EngineCoreOutput
+from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import (
     FinishReason,

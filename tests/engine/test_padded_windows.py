@@ -11,9 +11,9 @@ import torch
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
-from hybridserve.engine.batch import build_forward_batch
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 from hybridserve.models.loader import load_model
 from tests.tiny_models import SPECS, VOCAB

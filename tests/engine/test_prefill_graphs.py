@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine import prefill_graphs
+from hybridserve.engine.worker import prefill_graphs
 from tests.engine.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
     PARAMS,
     assert_close,

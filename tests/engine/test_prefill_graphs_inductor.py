@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.engine import decode_graphs, prefill_graphs
 from hybridserve.engine.llm import LLM
+from hybridserve.engine.worker import decode_graphs, prefill_graphs
 from tests.engine.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
     PARAMS,
     assert_close,

@@ -10,7 +10,7 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.coordinator import PrefixHit
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request
 from tests.cache.radix_oracle import RadixOracle
 from tests.tiny_models import VOCAB

@@ -12,9 +12,9 @@ from collections import Counter
 
 import torch
 
-from hybridserve.engine.rejection_sampler import RejectionSampler
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.sampler import Sampler
+from hybridserve.engine.sample.rejection_sampler import RejectionSampler
+from hybridserve.engine.sample.sampler import Sampler
 
 V = 8
 N = 4000

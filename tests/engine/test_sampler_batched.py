@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridserve.engine.request import FinishReason, Logprob, Request, SamplingParams
-from hybridserve.engine.sampler import Sampler, SampleResult
+from hybridserve.engine.sample.sampler import Sampler, SampleResult
 
 F32 = torch.finfo(torch.float32)
 INF = float("inf")

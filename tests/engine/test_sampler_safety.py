@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.sampler import Sampler, SampleResult, _filtered_probs
+from hybridserve.engine.sample.sampler import Sampler, SampleResult, _filtered_probs
 
 INF = float("inf")
 EXTREMES = [1e30, -1e30, 3e38, -3e38, -INF, INF, float("nan"), 0.0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.core import RequestRejected
+from hybridserve.engine.core.engine_core import RequestRejected
 from hybridserve.engine.request import Request, RequestOutput
 from tests.reference import chunked_logits, reference_model
 from tests.tiny_models import VOCAB

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.sampler import Sampler, _filtered_probs
+from hybridserve.engine.sample.sampler import Sampler, _filtered_probs
 
 PROBS = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]
 ORDER = [5, 2, 7, 0, 3, 6, 1, 4]  # token id of each entry of PROBS: rank is not id order

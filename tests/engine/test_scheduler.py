@@ -13,8 +13,8 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from tests.cache.helpers import toy_specs
 from tests.tiny_models import VOCAB
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.spec_control import DraftController
+from hybridserve.engine.spec_decode.control import DraftController
 
 
 def _teach(control: DraftController, seconds: dict[tuple[bool, int], float], acceptance: float) -> None:

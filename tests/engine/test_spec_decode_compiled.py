@@ -55,7 +55,7 @@ def test_compiled_speculative_steps_equal_the_reference(
     layer, which runs eagerly. Both traced by dynamo's "eager" backend (as in test_prefill_graphs); oracle
     drafts are accepted in runs of every length, rolled-back rows are poisoned, and the greedy tokens are
     the batch-1 reference's."""
-    from hybridserve.engine import decode_graphs, prefill_graphs
+    from hybridserve.engine.worker import decode_graphs, prefill_graphs
 
     monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
     monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")

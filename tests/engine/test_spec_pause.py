@@ -10,7 +10,7 @@ import torch
 
 from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.models.attention_meta import MTP_KV
 from tests.engine.spec_helpers import mtp

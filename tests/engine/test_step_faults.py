@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.core import MAX_CONSECUTIVE_STEP_FAILURES
+from hybridserve.engine.core.engine_core import MAX_CONSECUTIVE_STEP_FAILURES
+from hybridserve.engine.core.scheduler import SchedulerOutput
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.request import FinishReason, Request
-from hybridserve.engine.scheduler import SchedulerOutput
 
 
 def test_a_failed_step_finishes_its_requests_with_error_and_frees_them(

@@ -16,7 +16,7 @@ import xgrammar as xgr
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Request, StructuredOutputsParams
-from hybridserve.engine.structured import StructuredOutputs, unpack_bitmask
+from hybridserve.engine.sample.structured_outputs import StructuredOutputs, unpack_bitmask
 from tests.reference import reference_greedy, reference_model
 
 BUNDLED = str(Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4")

@@ -17,10 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.engine.batch import build_forward_batch
-from hybridserve.engine.prefill_graphs import BLOCK_SIZES
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.prefill_graphs import BLOCK_SIZES
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.layers.rope import Rotary
 from hybridserve.models.attention_meta import (

@@ -131,7 +131,7 @@ def test_mtp_drafts_match_the_model_card_formula(
 ) -> None:
     """The engine's k = 3 drafts after a prefill, against the formula evaluated on the reference's trunk."""
     from hybridserve.config import EngineConfig
-    from hybridserve.engine.core import EngineCore
+    from hybridserve.engine.core.engine_core import EngineCore
     from hybridserve.engine.request import Request, SamplingParams
 
     src = tiny_checkpoint("mixed")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hybridserve.distributed.disagg import KvSender, Pull, PullReply, _encoder
+from hybridserve.kv_transfer.transport import KvSender, Pull, PullReply, _encoder
 
 DIE_TOKENS = 31
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.worker.model_runner import ModelRunner
 
 POISON = 311
 FATAL = 313

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import uvicorn
 
-from hybridserve.server.router import RouterSettings, build_router_app
+from hybridserve.router.app import RouterSettings, build_router_app
 from tests.server.conftest import API_KEY, REFERENCE_ENGINE, Server, free_port, spawn_server, wait_healthy
 from tests.server.disagg_faults import DIE_TOKENS
 

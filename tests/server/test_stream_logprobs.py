@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from hybridserve.engine.core import EngineCoreOutput
+from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request import FinishReason, Logprob, Request, RequestOutput, SamplingParams
 from hybridserve.server import chat, completions

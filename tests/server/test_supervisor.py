@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
-from hybridserve.engine.core_proc import PLUGINS_ENV
+from hybridserve.engine.core.process import PLUGINS_ENV
 from hybridserve.server.openai_api import build_app
 from hybridserve.server.serving import ServerSettings, off_loop
 from hybridserve.tokenizer import Tokenizer

@@ -23,12 +23,12 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.engine.batch import _block_tables
-from hybridserve.engine.rejection_sampler import RejectionSampler, Verified
+from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.request import Request
-from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from hybridserve.engine.spec_control import DraftController
+from hybridserve.engine.sample.rejection_sampler import RejectionSampler, Verified
+from hybridserve.engine.spec_decode.control import DraftController
+from hybridserve.engine.worker.batch import _block_tables
+from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.attention_meta import MTP_KV
 from hybridserve.models.deepseek_v4 import DeepseekV4Model

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.distributed.disagg import HandoffStats, KvHandoff, KvReceiver, KvSender
-from hybridserve.distributed.kv_transfer_group import PlanFingerprint
+from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.kv_transfer.transfer_group import PlanFingerprint
+from hybridserve.kv_transfer.transport import HandoffStats, KvHandoff, KvReceiver, KvSender
 
 
 class PrefillRole:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import zmq
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.distributed.handoff import Transfer, handoff_bytes, pack, post_recv, post_send, unpack
-from hybridserve.distributed.kv_transfer_group import (
+from hybridserve.kv_transfer.handoff import Transfer, handoff_bytes, pack, post_recv, post_send, unpack
+from hybridserve.kv_transfer.transfer_group import (
     DECODE_RANK,
     PREFILL_RANK,
     FingerprintMismatch,

@@ -4,8 +4,8 @@ engine-core ranks in their own processes, for ``LLM(..., data_parallel_size=N)``
 from __future__ import annotations
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCoreOutput
-from hybridserve.engine.dp_client import DPEngineCoreClient
+from hybridserve.engine.client.dp_client import DPEngineCoreClient
+from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.messages import AddRequest, EngineFailed, FinishRequests, Rejected, StepOutputs
 from hybridserve.engine.request import FinishReason, Request

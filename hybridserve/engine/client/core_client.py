@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
+from hybridserve.engine.core.process import CoreAddresses, run_engine_core
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import (
     CoreOutput,

@@ -12,24 +12,24 @@ from typing import Any
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.distributed.disagg import KvHandoff
 from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
-from hybridserve.distributed.kv_transfer_group import PlanFingerprint
-from hybridserve.engine.cache_plan import plan_cache
-from hybridserve.engine.disagg import DecodeRole, PrefillRole, build_role
+from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
-from hybridserve.engine.prompt_logprobs import prompt_logprobs_of
-from hybridserve.engine.rejection_sampler import Verified
 from hybridserve.engine.request import FinishReason, Logprob, Request
-from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.sampler import Sampler, SampleResult
-from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
-from hybridserve.engine.spec_control import DraftController
-from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.sample.rejection_sampler import Verified
+from hybridserve.engine.sample.sampler import Sampler, SampleResult
+from hybridserve.engine.sample.structured_outputs import StructuredOutputs
+from hybridserve.engine.spec_decode.control import DraftController
+from hybridserve.engine.spec_decode.decoder import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
-from hybridserve.engine.structured import StructuredOutputs
+from hybridserve.engine.worker.cache_plan import plan_cache
+from hybridserve.engine.worker.model_runner import ModelRunner
+from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
+from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
+from hybridserve.kv_transfer.transfer_group import PlanFingerprint
+from hybridserve.kv_transfer.transport import KvHandoff
 from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
 from hybridserve.models.loader import load_model, read_config
 
@@ -107,7 +107,7 @@ class EngineCore:
         other steps run through one dynamically shaped compiled graph; on CUDA, or with either flag, the
         eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
         exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config
-        engine/spec_decode.py runs every step: one that verifies no drafts takes a decode graph (which
+        engine/spec_decode/decoder.py runs every step: one that verifies no drafts takes a decode graph (which
         then keeps its streams for the MTP layer), one that does the prefill graph."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
@@ -293,7 +293,7 @@ class EngineCore:
         return early
 
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
-        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode.py.
+        """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode/decoder.py.
 
         With no drafts to verify and none wanted for the next step (load control), the step drafts
         nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""

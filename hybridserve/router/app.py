@@ -25,10 +25,10 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve import __version__
-from hybridserve.server.disagg import PARAM, handles
+from hybridserve.router.workers import Worker, WorkerDown, WorkerPool, health_loop, mark_down
 from hybridserve.server.errors import APIError, error_body, error_response, install_error_handlers
+from hybridserve.server.kv_transfer_params import PARAM, handles
 from hybridserve.server.limits import BodySizeLimit
-from hybridserve.server.router_workers import Worker, WorkerDown, WorkerPool, health_loop, mark_down
 from hybridserve.server.streams import sse, unless_disconnected
 
 log = logging.getLogger("hybridserve.router")

@@ -29,9 +29,9 @@ import zmq
 import zmq.asyncio
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core_client import ready_deadline
-from hybridserve.engine.core_proc import CoreAddresses, run_engine_core
-from hybridserve.engine.dp_router import RankRouter
+from hybridserve.engine.client.core_client import ready_deadline
+from hybridserve.engine.client.rank_router import RankRouter
+from hybridserve.engine.core.process import CoreAddresses, run_engine_core
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import (
     AddRequest,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampler import (
+from hybridserve.engine.sample.sampler import (
     Sampler,
     SampleResult,
     _best_tokens,
@@ -28,7 +28,7 @@ from hybridserve.engine.sampler import (
     _penalises,
     _results,
 )
-from hybridserve.engine.structured import unpack_bitmask, xgr  # xgrammar on first use
+from hybridserve.engine.sample.structured_outputs import unpack_bitmask, xgr  # xgrammar on first use
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 
 

@@ -12,8 +12,8 @@ import base64
 from dataclasses import asdict
 from typing import Any
 
-from hybridserve.distributed.disagg import KvHandoff
 from hybridserve.engine.request import FinishReason, Logprob, RemotePrefill, Request, RequestOutput
+from hybridserve.kv_transfer.transport import KvHandoff
 from hybridserve.server.errors import APIError
 
 PARAM = "kv_transfer_params"

@@ -9,7 +9,7 @@ from multiprocessing.connection import wait
 from types import FrameType
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.dp_client import DataParallelAddresses, start_ranks, stop_processes
+from hybridserve.engine.client.dp_client import DataParallelAddresses, start_ranks, stop_processes
 
 log = logging.getLogger("hybridserve.engine")
 

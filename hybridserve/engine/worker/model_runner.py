@@ -8,12 +8,12 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import BlockPoolSet
-from hybridserve.engine.batch import build_forward_batch
-from hybridserve.engine.decode_graphs import DecodeGraphRunner
-from hybridserve.engine.prefill_graphs import PrefillGraphRunner
-from hybridserve.engine.prompt_logprobs import gather_prompt_logprobs
-from hybridserve.engine.sampler import Sampler, SampleResult
-from hybridserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from hybridserve.engine.sample.sampler import Sampler, SampleResult
+from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
+from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
+from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 

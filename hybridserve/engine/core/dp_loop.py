@@ -15,8 +15,8 @@ import torch.distributed as dist
 import zmq
 
 from hybridserve.distributed.step_sync import StepSync
-from hybridserve.engine.core import EngineCore
-from hybridserve.engine.core_proc import _PARENT_CHECK_MS, CoreLoop
+from hybridserve.engine.core.engine_core import EngineCore
+from hybridserve.engine.core.process import _PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input
 from hybridserve.engine.stats import EngineSnapshot

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.core import EngineCore
+from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.messages import (
     AddRequest,
@@ -112,7 +112,7 @@ def _core_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> Cor
     if core.group is None:
         return CoreLoop(core, inputs, outputs)
     from hybridserve.distributed.step_sync import StepSync
-    from hybridserve.engine.dp_core_loop import DataParallelCoreLoop  # it builds on CoreLoop
+    from hybridserve.engine.core.dp_loop import DataParallelCoreLoop  # it builds on CoreLoop
 
     return DataParallelCoreLoop(core, inputs, outputs, StepSync(core.group))
 

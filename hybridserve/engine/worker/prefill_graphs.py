@@ -36,10 +36,15 @@ from torch.fx.experimental import _config as fx_config
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
-from hybridserve.engine.batch import build_forward_batch
-from hybridserve.engine.decode_graphs import MIN_ROW_BUCKET, least_indexed_rows, row_bucket, table_width
-from hybridserve.engine.graph_calls import RecordingBackend
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.core.scheduler import ScheduledRequest
+from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.decode_graphs import (
+    MIN_ROW_BUCKET,
+    least_indexed_rows,
+    row_bucket,
+    table_width,
+)
+from hybridserve.engine.worker.graph_calls import RecordingBackend
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import Experts
 from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, AttentionMeta, MetaShapes, visible_rows

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridserve.engine.request import Logprob, Request, SamplingParams
-from hybridserve.engine.structured import StructuredOutputs
+from hybridserve.engine.sample.structured_outputs import StructuredOutputs
 
 _F32 = torch.finfo(torch.float32)
 _NEG_INF = float("-inf")

@@ -8,7 +8,7 @@ from types import FrameType
 
 import uvicorn
 
-from hybridserve.server.router import RouterSettings, build_router_app
+from hybridserve.router.app import RouterSettings, build_router_app
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
 from hybridserve.cache.spec import GroupKind
-from hybridserve.distributed.kv_transfer_group import PairGroup
+from hybridserve.kv_transfer.transfer_group import PairGroup
 
 
 def handoff_blocks(plan: CachePlan, num_tokens: int) -> dict[str, range]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import Logprob, Request
-from hybridserve.engine.scheduler import ScheduledRequest
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
 
 CHUNK_ROWS = 256  # rows turned into full-vocabulary logits at once

@@ -20,7 +20,7 @@ With ``compiled`` the metadata, forward and logits of the static step run throug
 (inductor: C++ loops on CPU, Triton on CUDA), which fuses the ~2,000 small ops of a decode step into a
 few dozen kernels. The batch dim (B > 1), the table width and the row counts are marked dynamic, so one
 graph serves batch 1 and one every other bucket, at every context; once a key's graph has taken the
-same inputs twice, the key calls it directly, without dynamo (``engine/graph_calls.py``). On CPU the
+same inputs twice, the key calls it directly, without dynamo (``engine/worker/graph_calls.py``). On CPU the
 routed experts run inside the graph as the opaque ``hybridserve::grouped_experts`` op (``layers/moe.py``),
 the eager grouped path's own ops, except where a batch of few tokens runs every expert in two GEMMs
 (``DeepseekV4Model.prepare_compiled_decode``: small fp32 experts, E <= 4k; its batch-size guard splits the
@@ -46,9 +46,9 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
-from hybridserve.engine.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
-from hybridserve.engine.prompt_logprobs import gathers_prompt_logprobs
-from hybridserve.engine.scheduler import ScheduledRequest
+from hybridserve.engine.core.scheduler import ScheduledRequest
+from hybridserve.engine.worker.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
+from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, visible_rows
 from hybridserve.models.deepseek_v4 import DeepseekV4Model
