@@ -34,7 +34,7 @@ def _rank_stats(llm: Any) -> dict[int, tuple[float, int]]:
 
 def run(model: str, ranks: int, concurrency: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
     from hybridserve import LLM, SamplingParams
-    from hybridserve.distributed.expert_parallel import weight_bytes_per_rank
+    from hybridserve.layers.parallel_experts import weight_bytes_per_rank
     from hybridserve.models.loader import build_meta_model
 
     per_rank = -(-max(concurrency) // ranks)

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.config import default_model_path
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.models.loader import load_model

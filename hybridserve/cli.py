@@ -78,7 +78,7 @@ def _local_device(config: EngineConfig) -> torch.device | None:
 
 def _rank_bytes(config: EngineConfig, model: torch.nn.Module, cache_bytes: int) -> list[dict[str, int]]:
     """Weights and cache each data-parallel rank holds (every rank builds the same cache plan)."""
-    from hybridserve.distributed.expert_parallel import weight_bytes_per_rank
+    from hybridserve.layers.parallel_experts import weight_bytes_per_rank
 
     n = config.data_parallel_size
     weights = weight_bytes_per_rank(model, n if config.expert_parallel else 1)

@@ -8,7 +8,7 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.layers.forward_batch import ForwardBatch
 from hybridserve.models.loader import ModelShard, load_model
 

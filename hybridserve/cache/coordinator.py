@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridserve.cache.plan import CachePlan, GroupPlan
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.cache.prefix import block_hashes
 from hybridserve.cache.spec import GroupKind
 

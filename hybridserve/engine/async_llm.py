@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from hybridserve.config import EngineConfig
 from hybridserve.engine.client.core_client import EngineCoreClient
 from hybridserve.engine.client.dp_client import DPEngineCoreClient
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
 from hybridserve.engine.messages import (
     AddRequest,
@@ -31,6 +30,7 @@ from hybridserve.engine.messages import (
     UtilityResult,
 )
 from hybridserve.engine.output_processor import OutputProcessor
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Request, RequestOutput
 from hybridserve.engine.stats import EngineSnapshot
 from hybridserve.tokenizer import load_tokenizer

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.limits import RequestLimits
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, RemotePrefill, SamplingParams
 from hybridserve.engine.stats import EngineSnapshot
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.engine.core.engine_core import EngineCoreOutput
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import (
     CompletionOutput,
     FinishReason,

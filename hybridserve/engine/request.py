@@ -11,7 +11,7 @@ from typing import Any, Self, SupportsIndex
 
 import torch
 
-from hybridserve.kv_transfer.transport import KvHandoff
+from hybridserve.kv_transfer.records import KvHandoff
 
 
 class FinishReason(StrEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridserve.kv_transfer.transport import HandoffStats
+from hybridserve.kv_transfer.records import HandoffStats
 
 __all__ = ["ArenaUsage", "EngineSnapshot", "EngineStats", "HandoffStats", "PoolUsage"]
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.cache.spec import GroupKind
 from hybridserve.kv_transfer.transfer_group import PairGroup
 

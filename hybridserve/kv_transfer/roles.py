@@ -19,8 +19,9 @@ import torch
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import Request
+from hybridserve.kv_transfer.records import HandoffStats, KvHandoff
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
-from hybridserve.kv_transfer.transport import HandoffStats, KvHandoff, KvReceiver, KvSender
+from hybridserve.kv_transfer.transport import KvReceiver, KvSender
 
 
 class PrefillRole:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -25,6 +25,7 @@ import zmq
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.kv_transfer.handoff import Transfer, handoff_bytes, pack, post_recv, post_send, unpack
+from hybridserve.kv_transfer.records import HandoffError, HandoffStats, KvHandoff
 from hybridserve.kv_transfer.transfer_group import (
     DECODE_RANK,
     PREFILL_RANK,
@@ -39,37 +40,6 @@ from hybridserve.kv_transfer.transfer_group import (
 log = logging.getLogger("hybridserve.disagg")
 
 _TAG_SPACE = 1 << 30
-
-
-class HandoffError(RuntimeError):
-    pass
-
-
-@dataclass
-class KvHandoff:
-    """Where a request's prefilled blocks wait and how much they hold; travels prefill -> router -> decode.
-
-    ``generator_state`` is the request's seeded sampler after the draws of the prefill (``offset`` of
-    them), so that a seeded request draws the same tokens as it would have on one worker.
-    """
-
-    handle: str
-    control: str  # the prefill worker's ZMQ control endpoint
-    store: str  # host:port of its TCPStore
-    num_tokens: int  # computed tokens (the prompt); the first generated token is not computed yet
-    seed: int | None = None
-    offset: int = 0
-    generator_state: bytes | None = None
-
-
-@dataclass
-class HandoffStats:
-    transfers: int = 0
-    failed: int = 0
-    expired: int = 0
-    bytes_by_group: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    events: int = 0  # blocks held, pulled, released or received: the pools changed between steps
 
 
 # ---- control messages ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hybridserve.engine.request import FinishReason, Logprob, RemotePrefill, Request, RequestOutput
-from hybridserve.kv_transfer.transport import KvHandoff
+from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.server.errors import APIError
 
 PARAM = "kv_transfer_params"

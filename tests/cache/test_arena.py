@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridserve.cache.plan import CachePlanError, build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from tests.cache.helpers import toy_specs
 

@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.cache.spec import GroupKind
 from tests.cache.helpers import toy_specs
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from tests.cache.helpers import toy_specs
 
 

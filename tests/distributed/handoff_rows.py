@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.kv_transfer.handoff import handoff_blocks
 
 

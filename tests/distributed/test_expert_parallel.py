@@ -10,21 +10,21 @@ import pytest
 import torch
 
 from hybridserve.cli import main
-from hybridserve.distributed.expert_parallel import (
-    ExpertRange,
+from hybridserve.distributed.expert_dispatch import ExpertRange
+from hybridserve.distributed.group import GroupAddress, init_group
+from hybridserve.layers.parallel_experts import (
     ExpertShard,
     parallel_experts,
     run_dummy_moe,
     weight_bytes_per_rank,
 )
-from hybridserve.distributed.group import GroupAddress, init_group
 from hybridserve.models.loader import build_meta_model
 from tests.distributed.ranks import run_ranks
 from tests.paged import PagedSequence
 from tests.tiny_models import VOCAB
 
 BLOCK = 8
-# fp32 GEMM reassociation inside the experts only (distributed/expert_parallel.py); measured <= 3e-6.
+# fp32 GEMM reassociation inside the experts only (layers/parallel_experts.py); measured <= 3e-6.
 TOL = 2e-5
 
 

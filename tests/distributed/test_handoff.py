@@ -16,9 +16,10 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
+from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.kv_transfer.transfer_group import FingerprintMismatch, PlanFingerprint
-from hybridserve.kv_transfer.transport import KvHandoff, KvReceiver, KvSender
+from hybridserve.kv_transfer.transport import KvReceiver, KvSender
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.loader import read_config

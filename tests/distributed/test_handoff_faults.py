@@ -23,9 +23,10 @@ import zmq
 import hybridserve.kv_transfer.transport as disagg
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import CachePlan, build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
+from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.kv_transfer.transfer_group import PREFILL_RANK, PlanFingerprint
-from hybridserve.kv_transfer.transport import KvHandoff, KvReceiver, KvSender, Pull, PullReply
+from hybridserve.kv_transfer.transport import KvReceiver, KvSender, Pull, PullReply
 from tests.cache.helpers import toy_specs
 from tests.distributed.handoff_rows import moved_rows
 

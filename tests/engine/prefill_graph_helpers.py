@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import RequestOutput, SamplingParams
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner

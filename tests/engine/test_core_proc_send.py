@@ -7,7 +7,7 @@ import os
 import pytest
 import zmq
 
-from hybridserve.engine.core.process import ApiProcessGone, send_while_parent_lives
+from hybridserve.engine.core.loop import ApiProcessGone, send_while_parent_lives
 
 
 def _push_pull(ctx: zmq.Context, tmp_path_str: str) -> tuple[zmq.Socket, zmq.Socket]:

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import RemotePrefill, Request, SamplingParams
+from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.kv_transfer.roles import DecodeRole
-from hybridserve.kv_transfer.transport import KvHandoff
 from tests.cache.helpers import toy_specs
 
 BLOCK = 8

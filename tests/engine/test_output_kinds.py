@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from hybridserve.config import default_model_path
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.output_processor import OutputProcessor
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import (
     FinishReason,
     Logprob,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.output_processor import OutputProcessor
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Logprob, Request, SamplingParams
 
 

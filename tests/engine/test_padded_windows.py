@@ -10,7 +10,8 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.engine.worker.batch import build_forward_batch

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hybridserve.engine.request import FinishReason, Logprob, Request, SamplingParams
-from hybridserve.engine.sample.sampler import Sampler, SampleResult
+from hybridserve.engine.sample.ops import SampleResult
+from hybridserve.engine.sample.sampler import Sampler
 
 F32 = torch.finfo(torch.float32)
 INF = float("inf")
@@ -241,7 +242,7 @@ def test_greedy_batch_is_the_argmax_with_nan_as_minus_inf() -> None:
 
 def test_history_rows_are_reused_after_requests_finish_or_vanish() -> None:
     sampler = Sampler()
-    history = sampler._history
+    history = sampler.history
     params = SamplingParams(temperature=0, repetition_penalty=1e6)
     logits = torch.full((1, 8), 0.5)
     logits[0, 3] = 1.0
@@ -260,7 +261,7 @@ def test_history_rows_are_reused_after_requests_finish_or_vanish() -> None:
 
 def test_outputs_cut_or_rewritten_between_calls_are_recounted() -> None:
     sampler = Sampler()
-    history = sampler._history
+    history = sampler.history
     req = Request("r", [3], SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0))
     req.output_token_ids.extend([1, 1, 2])
     logits = torch.tensor([[0.0, 10.0, 7.0, 0.0]])

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.sample.sampler import Sampler, SampleResult, _filtered_probs
+from hybridserve.engine.sample.ops import SampleResult, filtered_probs
+from hybridserve.engine.sample.sampler import Sampler
 
 INF = float("inf")
 EXTREMES = [1e30, -1e30, 3e38, -3e38, -INF, INF, float("nan"), 0.0]
@@ -191,7 +192,7 @@ def test_greedy_is_the_argmax_and_ordinary_probs_are_the_tempered_softmax() -> N
     assert [r.token_id for r in Sampler()(logits, reqs)] == logits.argmax(-1).tolist()
     reqs = [_request(SamplingParams(temperature=t), [1]) for t in (0.3, 1.0, 1.7)]
     expected = torch.softmax(logits / torch.tensor([0.3, 1.0, 1.7])[:, None], dim=-1)
-    torch.testing.assert_close(_filtered_probs(logits, reqs), expected)
+    torch.testing.assert_close(filtered_probs(logits, reqs), expected)
 
 
 @settings(max_examples=60, deadline=None)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hybridserve.engine.request import Request, SamplingParams
-from hybridserve.engine.sample.sampler import Sampler, _filtered_probs
+from hybridserve.engine.sample.ops import filtered_probs
+from hybridserve.engine.sample.sampler import Sampler
 
 PROBS = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]
 ORDER = [5, 2, 7, 0, 3, 6, 1, 4]  # token id of each entry of PROBS: rank is not id order
@@ -63,7 +64,7 @@ CASES = [
 def test_filters_keep_the_direct_mass(filters: dict) -> None:
     params = SamplingParams(**({"temperature": 1.0} | filters))
     expected = torch.tensor(_direct(**filters))
-    got = _filtered_probs(_logits()[None], [Request("r", [0], params)])[0]
+    got = filtered_probs(_logits()[None], [Request("r", [0], params)])[0]
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     # the draws themselves: many rows of the same logits in one call, frequencies within 5 sigma
     n = 4000
@@ -102,7 +103,7 @@ def test_penalties_equal_the_arithmetic(case: str) -> None:
     penalties, expected = PENALTY_CASES[case]
     sampler = Sampler(seed=3)
     logits = torch.tensor([LOGITS])
-    got = sampler._penalised(logits, [_penalised_request(**penalties)])[0]
+    got = sampler.penalised(logits, [_penalised_request(**penalties)])[0]
     torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
     # the draws follow the softmax of the penalised logits, and greedy takes their argmax
     n = 3000

@@ -12,7 +12,7 @@ from typing import Any
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.request import Request
 from tests.cache.helpers import toy_specs

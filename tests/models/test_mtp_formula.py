@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.models.loader import load_model
 from tests.models.test_mtp import _batch
 from tests.reference import reference_model

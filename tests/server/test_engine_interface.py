@@ -6,13 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.source_imports import attribute_reads, imported_modules, source_files, within
+from tests.source_imports import attribute_reads, source_files
 
-# What the API process may use of the engine: its front (AsyncLLM), requests, errors and stats.
-ENGINE_INTERFACE = tuple(
-    f"hybridserve.engine.{m}"
-    for m in ("async_llm", "request", "errors", "stats", "limits", "sample.structured_outputs")
-)
+# Which imports the API process may make: tests/test_import_rules.py.
 ENGINE_INTERNALS = ("scheduler", "pools", "coordinator", "runner", "sampler", "core")
 BELOW_THE_ENGINE = ("hybridserve.cache", "hybridserve.models", "hybridserve.layers")
 
@@ -21,17 +17,6 @@ BELOW_THE_ENGINE = ("hybridserve.cache", "hybridserve.models", "hybridserve.laye
 def test_server_never_touches_engine_internals(path):
     reads = [(line, a) for line, a in attribute_reads(path) if a in ENGINE_INTERNALS]
     assert not reads, f"{path.name} reads engine internals: {reads}"
-
-
-@pytest.mark.parametrize("path", source_files("server"), ids=lambda p: p.name)
-def test_server_imports_only_the_engines_interface(path):
-    engine = [
-        (line, m)
-        for line, m in imported_modules(path)
-        if within(m, "hybridserve.engine") and not any(within(m, public) for public in ENGINE_INTERFACE)
-    ]
-    below = [(line, m) for line, m in imported_modules(path) if any(within(m, b) for b in BELOW_THE_ENGINE)]
-    assert not engine and not below, f"{path.name} imports engine internals: {engine + below}"
 
 
 def test_snapshot_is_all_the_metrics_read():

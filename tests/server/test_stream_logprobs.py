@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.output_processor import OutputProcessor
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Logprob, Request, RequestOutput, SamplingParams
 from hybridserve.server import chat, completions
 from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.client.dp_client import DPEngineCoreClient
-from hybridserve.engine.core.engine_core import EngineCoreOutput
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.messages import AddRequest, EngineFailed, FinishRequests, Rejected, StepOutputs
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Request
 
 

@@ -16,7 +16,7 @@ import zmq
 
 from hybridserve.distributed.step_sync import StepSync
 from hybridserve.engine.core.engine_core import EngineCore
-from hybridserve.engine.core.process import _PARENT_CHECK_MS, CoreLoop
+from hybridserve.engine.core.loop import PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input
 from hybridserve.engine.stats import EngineSnapshot
@@ -35,7 +35,7 @@ class DataParallelCoreLoop(CoreLoop):
     def run(self) -> int:
         idle = True
         while True:
-            if idle and not self.inputs.poll(_PARENT_CHECK_MS):
+            if idle and not self.inputs.poll(PARENT_CHECK_MS):
                 if os.getppid() != self.parent or not self._world_alive():
                     log.error("the process that started this rank, or rank 0, is gone; exiting")
                     return 1

@@ -5,21 +5,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.config import EngineConfig
-from hybridserve.distributed.expert_parallel import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
+from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Logprob, Request
+from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.rejection_sampler import Verified
-from hybridserve.engine.sample.sampler import Sampler, SampleResult
+from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.sample.structured_outputs import StructuredOutputs
 from hybridserve.engine.spec_decode.control import DraftController
 from hybridserve.engine.spec_decode.decoder import SpecDecoder
@@ -29,27 +29,14 @@ from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
 from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
-from hybridserve.kv_transfer.transport import KvHandoff
 from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
+from hybridserve.layers.parallel_experts import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.models.loader import load_model, read_config
 
 log = logging.getLogger("hybridserve.engine")
 
 # A step that fails this many times in a row means the engine itself is broken, not one request.
 MAX_CONSECUTIVE_STEP_FAILURES = 8
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
-    kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
 class EngineCore:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridserve.cache.coordinator import KvCacheCoordinator, PrefixHit
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.request import Request, RequestStatus
 
 

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.engine.request import Request
-from hybridserve.engine.sample.sampler import (
-    Sampler,
+from hybridserve.engine.sample.ops import (
+    Filters,
     SampleResult,
-    _best_tokens,
-    _filtered_weights,
-    _Filters,
-    _finite,
-    _penalises,
-    _results,
+    best_tokens,
+    filtered_weights,
+    finite,
+    penalises,
+    sample_results,
 )
+from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.sample.structured_outputs import unpack_bitmask, xgr  # xgrammar on first use
 
 
@@ -49,7 +49,7 @@ def with_drafts(req: Request, drafts: list[int]) -> Request:
     ``req`` itself when the drafts change nothing the sampler reads.
     """
     p = req.params
-    if not drafts or not (_penalises(p) or p.min_tokens > len(req.output_token_ids)):
+    if not drafts or not (penalises(p) or p.min_tokens > len(req.output_token_ids)):
         return req
     view = Request(req.request_id, req.prompt_token_ids, p, eos_token_ids=req.eos_token_ids)
     view.output_token_ids = [*req.output_token_ids, *drafts]
@@ -67,14 +67,14 @@ class RejectionSampler:
         """-> (raw finite logits, best tokens, normalised probabilities of the rows; None if all greedy).
 
         ``grammar[row]``: the request whose grammar masks the row and the drafts before the row."""
-        raw = _finite(logits.float())
-        self.sampler._history.release_finished()
+        raw = finite(logits.float())
+        self.sampler.history.release_finished()
         allowed = self._grammar_masked(raw, grammar)
-        penalised = self.sampler._penalised(allowed, views)
-        best = _best_tokens(penalised, allowed)
+        penalised = self.sampler.penalised(allowed, views)
+        best = best_tokens(penalised, allowed)
         if all(v.params.greedy for v in views):
             return raw, best, None
-        weights = _filtered_weights(penalised, _Filters.of(views, raw.shape[1], raw.device))
+        weights = filtered_weights(penalised, Filters.of(views, raw.shape[1], raw.device))
         total = weights.sum(dim=-1, keepdim=True)
         usable = torch.isfinite(total) & (total > 0)
         onehot = torch.nn.functional.one_hot(best, raw.shape[1]).to(weights.dtype)
@@ -138,7 +138,7 @@ class RejectionSampler:
             counts.append(len(tokens))
         idx = torch.tensor(chosen_rows, dtype=torch.long, device=raw.device)
         row_views = [views[i] for i in chosen_rows]
-        results = _results(torch.tensor(chosen, device=raw.device), raw.index_select(0, idx), row_views)
+        results = sample_results(torch.tensor(chosen, device=raw.device), raw.index_select(0, idx), row_views)
         out, at = [], 0
         for n, c in zip(num_drafts, counts, strict=True):
             out.append(Verified(results[at : at + c], n))

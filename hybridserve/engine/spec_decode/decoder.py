@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sample.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.spec_decode.control import DraftController
-from hybridserve.engine.worker.batch import _block_tables
+from hybridserve.engine.worker.batch import block_table_tensors
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.attention_meta import MTP_KV
@@ -182,7 +182,7 @@ class SpecDecoder:
             positions=pos,
             req_indices=rows,
             seq_ends=seq_ends,
-            block_tables=_block_tables(tables, self.device),
+            block_tables=block_table_tensors(tables, self.device),
             block_tokens=self.coordinator.block_tokens,
             logits_indices=input_ids.new_zeros(0),
             layout=BatchLayout(tuple(starts), tuple(ends)),

@@ -40,14 +40,14 @@ def build_forward_batch(
         positions=pos,
         req_indices=req,
         seq_ends=ends,
-        block_tables=_block_tables(tables, device),
+        block_tables=block_table_tensors(tables, device),
         block_tokens=coordinator.block_tokens,
         logits_indices=logits,
         layout=layout,
     )
 
 
-def _block_tables(tables: list[dict[str, list[int]]], device: torch.device) -> dict[str, torch.Tensor]:
+def block_table_tensors(tables: list[dict[str, list[int]]], device: torch.device) -> dict[str, torch.Tensor]:
     """Every group's [R, width] table (null-padded to the longest row of any group), one transfer."""
     names = list(tables[0])
     width = max(1, *(len(t[name]) for t in tables for name in names))

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.worker.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs

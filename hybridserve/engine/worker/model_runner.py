@@ -7,9 +7,10 @@ from collections import Counter
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import BlockPoolSet
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from hybridserve.engine.sample.sampler import Sampler, SampleResult
+from hybridserve.engine.sample.ops import SampleResult
+from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.fx.experimental import _config as fx_config
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.cache.pool import NULL_BLOCK, BlockPoolSet
+from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.decode_graphs import (

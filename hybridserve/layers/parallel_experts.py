@@ -1,5 +1,5 @@
-"""Expert parallelism: routed experts split over the ranks in contiguous ranges, tokens dispatched to
-their experts' rank and the outputs combined back, with ``all_to_all_single`` on the device group.
+"""The expert-parallel MoE layer: routed experts split over the ranks in contiguous ranges, tokens
+dispatched to their experts' rank and the outputs combined back (``distributed/expert_dispatch.py``).
 
 Shared experts, router and attention stay replicated; only ``Experts`` changes. Each rank holds
 only its own range's weights (``ExpertShard.weights`` drops the others at load time).
@@ -18,51 +18,17 @@ bit-equal; tests/distributed measure the logits of 2 and 3 ranks (<= 3e-6 on the
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from hybridserve.distributed.expert_dispatch import ExpertDispatcher, ExpertRange
 from hybridserve.distributed.group import ProcessGroup
 from hybridserve.layers.moe import Experts, MoE
 
 _EXPERT_NAME = re.compile(r"(\.ffn\.experts\.)(\d+)(\.)")
-
-
-@dataclass(frozen=True)
-class ExpertRange:
-    """Rank ``rank`` of ``world_size`` owns experts ``[start, end)`` of ``num_experts``."""
-
-    rank: int
-    world_size: int
-    num_experts: int
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.world_size <= self.num_experts:
-            raise ValueError(
-                f"expert parallelism over {self.world_size} ranks needs at least that many routed experts; "
-                f"the model has {self.num_experts} (lower --data-parallel-size)"
-            )
-
-    def bounds(self, rank: int) -> tuple[int, int]:
-        """Contiguous ranges, the first ``E % N`` ranks one expert larger."""
-        base, extra = divmod(self.num_experts, self.world_size)
-        start = rank * base + min(rank, extra)
-        return start, start + base + (rank < extra)
-
-    @property
-    def start(self) -> int:
-        return self.bounds(self.rank)[0]
-
-    @property
-    def end(self) -> int:
-        return self.bounds(self.rank)[1]
-
-    def ends(self) -> list[int]:
-        return [self.bounds(r)[1] for r in range(self.world_size)]
 
 
 class ParallelExperts(Experts):
@@ -76,31 +42,19 @@ class ParallelExperts(Experts):
         super().__init__(experts.end - experts.start, hidden, inter, limit)
         self.range = experts
         self.group = group
+        self.dispatcher = ExpertDispatcher(experts, group)
         self.tokens_per_expert = [0] * (experts.end - experts.start)  # rows this rank's experts ran
-        self.comm_s = 0.0  # time in this layer's dispatch / combine collectives
 
     def _expert_outputs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        num_tokens, k = experts.shape
-        flat = experts.flatten()
-        ends = torch.tensor(self.range.ends(), device=x.device, dtype=flat.dtype)
-        dest = torch.bucketize(flat, ends, right=True)
-        order = dest.argsort(stable=True)
-        send = torch.bincount(dest, minlength=self.range.world_size)
-        recv = self._all_to_all(send, [1] * self.range.world_size, [1] * self.range.world_size)
-        send_splits, recv_splits = send.tolist(), recv.tolist()
-        rows = self._all_to_all(x[order // k], recv_splits, send_splits)
-        ids = self._all_to_all(flat[order], recv_splits, send_splits) - self.range.start
-        self._count(ids)
-        y = super()._expert_outputs(rows, ids[:, None])[:, 0] if rows.shape[0] else rows
-        back = self._all_to_all(y.contiguous(), send_splits, recv_splits)
-        return torch.empty_like(back).index_copy_(0, order, back).view(num_tokens, k, x.shape[-1])
+        rows, local_ids, route = self.dispatcher.dispatch(x, experts)
+        self._count(local_ids)
+        y = super()._expert_outputs(rows, local_ids[:, None])[:, 0] if rows.shape[0] else rows
+        return self.dispatcher.combine(y, route)
 
-    def _all_to_all(self, t: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
-        out = t.new_empty((sum(recv_splits), *t.shape[1:]))
-        start = time.perf_counter()
-        dist.all_to_all_single(out, t, recv_splits, send_splits, group=self.group.device_group)
-        self.comm_s += time.perf_counter() - start  # on CUDA: time to enqueue, unless a sync follows
-        return out
+    @property
+    def comm_s(self) -> float:
+        """Time in this layer's dispatch / combine collectives."""
+        return self.dispatcher.comm_s
 
     def _count(self, local_ids: torch.Tensor) -> None:
         counts = torch.bincount(local_ids, minlength=len(self.tokens_per_expert)).tolist()
