@@ -410,7 +410,7 @@ def part_extras(check: Check, model: str, n_prompts: int, max_tokens: int) -> di
 
 def part_pytest(check: Check, timeout: float, root: Path) -> dict[str, Any]:
     """Part e: the tests that run only where CUDA is available (``root``: the checkout holding them)."""
-    files = ["tests/engine/test_sampler_batched.py", "tests/layers/test_quantized_layers.py"]
+    files = ["tests/engine/sample/test_sampler_batched.py", "tests/layers/test_quantized_layers.py"]
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-k", "cuda", *files]
     try:
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)

@@ -13,7 +13,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.models.attention_meta import MTP_KV
-from tests.engine.spec_helpers import mtp
+from tests.engine.spec_decode.spec_helpers import mtp
 from tests.tiny_models import VOCAB
 
 K = 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve import LLM, SamplingParams
-from tests.engine.spec_helpers import (
+from tests.engine.spec_decode.spec_helpers import (
     GREEDY,
     KV,
     MAX_NEW,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridserve import LLM
-from tests.engine.spec_helpers import (
+from tests.engine.spec_decode.spec_helpers import (
     GREEDY,
     KV,
     MAX_NEW,

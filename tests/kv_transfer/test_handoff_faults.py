@@ -28,7 +28,7 @@ from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.kv_transfer.transfer_group import PREFILL_RANK, PlanFingerprint
 from hybridserve.kv_transfer.transport import KvReceiver, KvSender, Pull, PullReply
 from tests.cache.helpers import toy_specs
-from tests.distributed.handoff_rows import moved_rows
+from tests.kv_transfer.handoff_rows import moved_rows
 
 PAIR_CLOSED = "Application timeout caused pair closure"  # what gloo raised in the chaos soak
 TIMEOUT_S = 20.0

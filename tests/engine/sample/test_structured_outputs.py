@@ -19,7 +19,7 @@ from hybridserve.engine.request import Request, StructuredOutputsParams
 from hybridserve.engine.sample.structured_outputs import StructuredOutputs, unpack_bitmask
 from tests.reference import reference_greedy, reference_model
 
-BUNDLED = str(Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4")
+BUNDLED = str(Path(__file__).resolve().parents[3] / "hybridserve" / "assets" / "austen-v4")
 MAX_NEW = 24
 SCHEMA = {
     "type": "object",

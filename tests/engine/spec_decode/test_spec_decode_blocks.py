@@ -19,7 +19,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.engine.core.engine_core import EngineCore
 from hybridserve.engine.request import Request
-from tests.engine.spec_helpers import mtp, oracle_drafts, poison_unverified_rows
+from tests.engine.spec_decode.spec_helpers import mtp, oracle_drafts, poison_unverified_rows
 from tests.tiny_models import VOCAB
 
 MAX_NEW = 12

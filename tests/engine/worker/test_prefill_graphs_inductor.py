@@ -11,7 +11,7 @@ import pytest
 
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.worker import decode_graphs, prefill_graphs
-from tests.engine.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
+from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
     PARAMS,
     assert_close,
     fresh_dynamo,

@@ -23,7 +23,7 @@ from hybridserve.kv_transfer.transport import KvReceiver, KvSender
 from hybridserve.models.deepseek_v4 import cache_specs
 from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.loader import read_config
-from tests.distributed.handoff_rows import moved_rows
+from tests.kv_transfer.handoff_rows import moved_rows
 
 # (request id, prompt tokens): odd lengths, shorter than one block, ending on and across block boundaries.
 REQUESTS = [("a", 1), ("b", 7), ("c", 12), ("d", 13), ("e", 37), ("f", 24)]
