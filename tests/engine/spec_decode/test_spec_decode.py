@@ -1,9 +1,11 @@
 """MTP speculative decoding: greedy output equals transformers' batch-1 reference, token for token.
 
 Drafts come from the real MTP layer (random weights: it is almost always wrong) or from an oracle that
-proposes the reference's own continuation with deliberate mistakes, so that verification accepts runs of
-every length and rolls back at every offset. After every step, every cache row past a request's verified
-end is poisoned: a forward that read a rolled-back row would change the tokens.
+proposes non-speculative hybridserve's own continuation with deliberate mistakes (or none), so that
+verification accepts runs of every length, up to every draft of every step, and rolls back at every
+offset. Speculative output must equal the non-speculative engine's token for token, and the reference's
+up to proven ties. After every step, every cache row past a request's verified end is poisoned: a forward
+that read a rolled-back row would change the tokens.
 """
 
 from __future__ import annotations
@@ -37,19 +39,32 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+_PLAIN: dict[str, list[list[int]]] = {}
+
+
+def _plain_tokens(folder: Path, case: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Non-speculative hybridserve's greedy tokens for ``case`` (one engine per case, shared by every k)."""
+    if case not in _PLAIN:
+        llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, **CASES[case][0])
+        _PLAIN[case] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    return _PLAIN[case]
+
+
+@pytest.mark.parametrize(("k", "wrong"), [(1, 0.3), (2, 0.3), (3, 0.3), (3, 0.0)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_with_mtp_equals_batch1_reference(
+def test_greedy_with_mtp_equals_speculation_off_and_the_batch1_reference(
     tiny_checkpoint: Callable[[str], Path],
     mtp_checkpoint: Callable[[str], Path],
     case: str,
     k: int,
+    wrong: float,
 ) -> None:
     base = tiny_checkpoint("mixed")
     kwargs, shared = CASES[case]
     prompts = spec_prompts(6, seed=5, shared_prefix=shared)
     expected = [reference_greedy(base, p, MAX_NEW) for p in prompts]
-    with oracle_drafts({tuple(p): e for p, e in zip(prompts, expected, strict=True)}):
+    plain = _plain_tokens(mtp_checkpoint("mixed"), case, prompts)
+    with oracle_drafts({tuple(p): e for p, e in zip(prompts, plain, strict=True)}, wrong=wrong):
         llm = LLM(
             str(mtp_checkpoint("mixed")),
             block_tokens=8,
@@ -58,12 +73,20 @@ def test_greedy_with_mtp_equals_batch1_reference(
             **kwargs,
         )
         poison_after_steps(llm.engine)
-        check_greedy(base, prompts, llm.generate(prompts, GREEDY), expected)
+        outputs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == plain
+    check_greedy(base, prompts, outputs, expected)
     snap = llm.engine.snapshot()
-    assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
-    assert sum(snap.spec_accepted_per_pos) == snap.spec_num_accepted_tokens
+    assert (
+        snap.spec_num_accepted_tokens > 0 and sum(snap.spec_accepted_per_pos) == snap.spec_num_accepted_tokens
+    )
     assert len(snap.spec_accepted_per_pos) == k
-    if case == "preempting":
+    assert snap.spec_accepted_per_pos[-1] > 0  # whole runs of k drafts were accepted
+    if wrong:
+        assert snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
+    else:  # every draft right: all accepted (none is drafted past a request's last token)
+        assert snap.spec_num_accepted_tokens == snap.spec_num_draft_tokens
+    if case == "preempting" and wrong:  # runs of accepted drafts finish requests before the pool runs dry
         assert snap.num_preemptions > 0
     if shared:
         assert snap.prefix_hit_tokens > 0
@@ -85,7 +108,9 @@ def test_random_mtp_drafter_never_changes_a_token(
     spec = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.snapshot().spec_num_draft_tokens > 0
-    assert llm.engine.pools.all_free() or llm.engine.coordinator.enable_prefix_caching
+    llm.engine.pools.check_integrity()
+    llm.engine.reset_prefix_cache()
+    assert llm.engine.pools.all_free()
 
 
 def test_stops_inside_an_accepted_run_end_at_the_right_token(
