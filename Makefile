@@ -6,7 +6,7 @@ PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install serve generate test lint unit clean
+.PHONY: install serve generate test lint unit docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint unit
+
+# docs/flags.md from the flags' help text (tests/test_flag_reference.py checks it is current).
+docs: $(STAMP)
+	$(BIN)/python -m hybridserve.flag_reference > docs/flags.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,11 +15,11 @@ from hybridserve.config import EngineConfig
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 

@@ -146,17 +146,17 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "pure-decode steps (with --speculative-config: steps that verify no drafts) over "
-            "bucketed static shapes through torch.compile, with the fixed cache layout (off by default: "
-            "start-up compiles for 1-3 minutes on a small CPU machine, about 150 s on an H200; inductor "
-            "caches the result on disk)"
+            "bucketed static shapes through torch.compile, with the fixed cache layout; the graphs compile "
+            "at start-up and inductor caches them on disk (off by default; start-up times in "
+            "benchmarks/README.md)"
         },
     )
     compile_prefill: bool = field(
         default=False,
         metadata={
             "help": "prefill and mixed steps (and speculative steps that verify drafts) through one "
-            "torch.compile graph with dynamic sizes (fixed cache layout; start-up compiles 1-4 minutes "
-            "more on a small CPU machine, cached on disk; a step the graph does not fit runs eagerly)"
+            "torch.compile graph with dynamic sizes (fixed cache layout; compiled at start-up, cached on "
+            "disk; a step the graph does not fit runs eagerly)"
         },
     )
     engine_ready_timeout: float = field(
