@@ -32,7 +32,7 @@ def _cell(text: object) -> str:
 
 def _engine_default(f: dataclasses.Field[Any]) -> str:
     if f.default_factory is not dataclasses.MISSING:
-        return f"`{f.default_factory.__name__}()`"  # type: ignore[union-attr]
+        return f"`{getattr(f.default_factory, '__name__', 'computed')}()`"
     return "—" if f.default is None else f"`{f.default}`"
 
 
