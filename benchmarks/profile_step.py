@@ -30,7 +30,8 @@ whose wall time exceeds its CPU time by more than ``--max-wall-over-cpu`` was pr
 run until they have their count of unpreempted steps (at most 3x as many steps in all), and
 preempted profiled steps are left out of the op and part tables.
 
-    python benchmarks/profile_step.py --batch 16 --label after --out benchmarks/results/profile/after-b16.json
+    python benchmarks/profile_step.py --batch 16 --label eager \
+        --out benchmarks/results/profile/eager-austen-v4-b16.json
     PYTHONPATH=/tmp/hs-before python benchmarks/profile_step.py ...   # profile another checkout
 """
 

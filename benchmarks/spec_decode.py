@@ -12,7 +12,8 @@ the fastest run is kept. Also reported: output tokens per CPU second of the proc
 with 1 thread this is what the run would reach on an idle core, where wall time on a shared machine
 also counts the time other processes held the core).
 
-    python benchmarks/spec_decode.py --threads 1 --output-len 32 --json benchmarks/results/spec_decode.json
+    python benchmarks/spec_decode.py --threads 1 --output-len 64 --concurrency 1 --repeats 3 \
+        --json benchmarks/results/spec_decode_c1.json
 
 With ``--compile`` every engine runs ``--compile-decode --compile-prefill`` (warmed up before the clock
 starts): k = 0 decodes through its decode graphs, k > 0 verifies drafts through the prefill graph.
