@@ -32,6 +32,8 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(self.config.model)
         self._ids = itertools.count()
+        if isinstance(self.engine, EngineCore):  # data-parallel ranks warm up in their own processes
+            _warm_up(self.engine, show=bool(self.config.compile_decode or self.config.compile_prefill))
 
     def shutdown(self) -> None:
         """Stop the engine-core ranks (data-parallel engines run in their own processes)."""
@@ -131,6 +133,13 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
     first = outs[0]
     completions = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
     return replace(first, outputs=completions, finished=all(o.finished for o in outs))
+
+
+def _warm_up(engine: EngineCore, show: bool) -> None:
+    """Compile the engine's graphs now, as the server does at start-up, so that no generate call stops to
+    compile in the middle of its work; a progress bar while it does."""
+    with tqdm(total=engine.warmup_part_count(), desc="Compiling", disable=not show) as bar:
+        engine.warmup(progress=lambda name: (bar.set_postfix_str(name), bar.update())[-1])
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from hybridserve.engine.spec_decode.control import DraftController
 from hybridserve.engine.spec_decode.decoder import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.worker.cache_plan import plan_cache
+from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
 from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
@@ -129,21 +131,32 @@ class EngineCore:
         rank, size = self.config.data_parallel_rank, self.config.data_parallel_size
         return init_group(address, rank, size, self.device)
 
-    def warmup(self) -> None:
-        """Compile (and on CUDA capture) the decode step and the mHC tail before the first request, and
-        say how long."""
-        start = time.perf_counter()
-        if warm_compiled_tail(self.model, self.device, self.dtype):
-            log.info("mHC tail ready in %.1f s", time.perf_counter() - start)
-        prefill = self.runner.prefill_graphs
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile (and on CUDA capture) the mHC tail, the prefill graph and the decode step before the
+        first request, and say how long; ``progress`` hears the name of each part once it is ready."""
+        for name, warm in self._warmup_parts():
+            start = time.perf_counter()
+            how = warm()
+            if how is not None:
+                log.info("%s ready in %.1f s%s", name, time.perf_counter() - start, how)
+            if progress is not None:
+                progress(name)
+
+    def warmup_part_count(self) -> int:
+        return len(self._warmup_parts())
+
+    def _warmup_parts(self) -> list[tuple[str, Callable[[], str | None]]]:
+        """(name, compile it -> a note for the log, or None when there was nothing to compile)."""
+        parts: list[tuple[str, Callable[[], str | None]]] = [("mHC tail", self._warm_tail)]
+        prefill, decode = self.runner.prefill_graphs, self.runner.decode_graphs
         if prefill is not None:
-            prefill.warmup()
-        graphs = self.runner.decode_graphs
-        if graphs is None:
-            return
-        seconds = graphs.warmup()
-        how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
-        log.info("decode step ready in %.1f s (%s)", seconds, ", ".join(how) or "eager")
+            parts.append(("prefill graph", lambda: (prefill.warmup(), None)[1]))  # it logs its own time
+        if decode is not None:
+            parts.append(("decode step", lambda: (decode.warmup(), _decode_how(decode))[1]))
+        return parts
+
+    def _warm_tail(self) -> str | None:
+        return "" if warm_compiled_tail(self.model, self.device, self.dtype) else None
 
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
@@ -478,6 +491,11 @@ class EngineCore:
             "spec_num_accepted_tokens": st.num_accepted_tokens,
             "spec_accepted_per_pos": list(st.accepted_per_pos),
         }
+
+
+def _decode_how(graphs: DecodeGraphRunner) -> str:
+    how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
+    return f" ({', '.join(how) or 'eager'})"
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -34,8 +34,7 @@ def test_compiled_prefill_matches_eager(
     prompts = graph_prompts((6, 19, 33, 11, 25, 40))
     plain = graph_llm(tiny_checkpoint(name), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
     llm = graph_llm(tiny_checkpoint(name), compiled=True)
-    runner = prefill_runner(llm)
-    llm.engine.warmup()  # the engine core warms up the eager steps' mHC tail too
+    runner = prefill_runner(llm)  # LLM(...) warmed it up, and the eager steps' mHC tail too
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
@@ -55,10 +54,10 @@ def test_warmup_runs_dummy_steps_only(
     the process."""
     monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
     for _ in range(2):
-        llm = graph_llm(tiny_checkpoint("mixed"), compiled=True)
-        runner = prefill_runner(llm)
         with torch._dynamo.config.patch(recompile_limit=1):
-            assert runner.warmup() > 0 and runner.warmed and runner.enabled
+            llm = graph_llm(tiny_checkpoint("mixed"), compiled=True)  # LLM(...) warms its graphs up
+        runner = prefill_runner(llm)
+        assert runner.compile_seconds > 0 and runner.warmed and runner.enabled
         pools = llm.engine.pools
         assert pools.all_free() and null_rows_zero(pools)
         assert runner.steps == {"compiled": 0, "eager": 0}
@@ -76,7 +75,6 @@ def test_lone_short_chunks_run_the_graph_and_refused_steps_run_eagerly(
     plain = graph_llm(tiny_checkpoint("mixed"), compiled=False)  # first: an engine sets the global mHC switch
     llm = graph_llm(tiny_checkpoint("mixed"), compiled=True)
     runner = prefill_runner(llm)
-    llm.engine.warmup()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     paths = llm.engine.runner.steps_by_path  # what /metrics reports
     cases = (

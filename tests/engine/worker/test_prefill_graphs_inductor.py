@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.worker import decode_graphs, prefill_graphs
@@ -43,7 +44,8 @@ ODD_SIZES = TinySpec(  # 3 heads of 12, hidden 30 and experts of 10: rows not 16
 def test_both_compiled_paths_on_odd_sizes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--compile-decode and --compile-prefill together on a model of odd sizes (no dim a multiple of 16),
     with 96-token steps: every prefill step of more tokens than the decode graphs' all-experts bound runs
-    the prefill graph, every pure decode step a decode graph, and the outputs are the eager engine's."""
+    the prefill graph, every pure decode step a decode graph, and the outputs are the eager engine's. LLM(...)
+    returns with its graphs compiled: no later generate call, batch 1 included, compiles anything."""
     monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
     monkeypatch.setattr(decode_graphs, "GRAPH_BACKEND", "eager")
     folder = str(make_checkpoint(ODD_SIZES, tmp_path / "odd"))
@@ -53,7 +55,10 @@ def test_both_compiled_paths_on_odd_sizes(monkeypatch: pytest.MonkeyPatch, tmp_p
         prompts, PARAMS, use_tqdm=False
     )
     llm = LLM(folder, compile_decode=True, compile_prefill=True, **common)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert_close(plain, llm.generate(prompts, PARAMS, use_tqdm=False))
+    assert_close(plain[:1], llm.generate(prompts[:1], PARAMS, use_tqdm=False))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a generate call compiled"
     paths = llm.engine.runner.steps_by_path
     assert paths["prefill_graph"] >= 4 and paths["decode_graph"] >= PARAMS.max_tokens - 1
     assert paths["prefill_graph_refused"] == 0
