@@ -108,6 +108,13 @@ class EngineConfig:
     dtype: str = field(
         default="auto", metadata={"help": "auto (the checkpoint's), float32, bfloat16, float16"}
     )
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "conversation format: hf (the chat template), deepseek_v4 (DeepSeek-V4's encoder), "
+            "auto (deepseek_v4 for a V4 checkpoint shipping the encoder or no chat template)"
+        },
+    )
     device: str = field(
         default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:N"}
     )

@@ -100,6 +100,7 @@ def build_app(
             llm = await asyncio.to_thread(make_engine, config)
             if settings.chat_template is not None and llm.tokenizer is not None:
                 llm.tokenizer.chat_template = settings.chat_template
+                llm.tokenizer.mode = "hf"  # a template given explicitly is what the user wants rendered
             llm.start()
             llm.on_finish.append(_log_finished)
             llm.on_fatal.append(state.die)
