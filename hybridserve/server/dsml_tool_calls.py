@@ -81,8 +81,12 @@ class DsmlToolParser:
             content = self.buffer[:start].rstrip(_WHITE)  # the blank line before the block is the format's
             self.buffer, self.state = self.buffer[start + len(CALLS_BEGIN) :], "calls"
             return content
-        keep = 0 if final else max(partial_suffix(self.buffer, CALLS_BEGIN), _trailing_white(self.buffer))
-        content, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
+        marker = partial_suffix(self.buffer, CALLS_BEGIN)  # and the blank line that may go before it
+        keep = marker + _trailing_white(self.buffer[: len(self.buffer) - marker])
+        if final:  # the start of a block cut off is dropped; plain text ending in "<" is not
+            keep = keep if marker > 1 else 0
+        cut = len(self.buffer) - keep
+        content, self.buffer = self.buffer[:cut], "" if final else self.buffer[cut:]
         return content or None
 
     def _calls(self, final: bool) -> str | None:
