@@ -206,3 +206,19 @@ def test_bad_chat_fields_are_400s_naming_the_field(
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_auto_tool_choice_reads_text_or_a_call_held_to_the_schema(server: Server) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Bath?"}],
+        "tools": [WEATHER],
+        "tool_choice": "auto",
+        "chat_template_kwargs": {"thinking": False},
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+    message = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert "DSML" not in (message["content"] or "")
+    for call in message["tool_calls"]:
+        assert call["function"]["name"] == "get_weather"
+        assert set(json.loads(call["function"]["arguments"])) == {"city", "days"}
