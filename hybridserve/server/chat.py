@@ -49,7 +49,7 @@ from hybridserve.server.tool_calls import tool_constraint
 from hybridserve.tokenizer import Tokenizer
 
 
-async def _prompt(
+async def render_prompt(
     body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> tuple[list[int], str]:
     v4 = llm.tokenizer is not None and llm.tokenizer.mode == "deepseek_v4"
@@ -57,7 +57,7 @@ async def _prompt(
     return await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
 
 
-def _reading(
+def output_reading(
     body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings, prompt: str
 ) -> OutputReading:
     mode = llm.tokenizer.mode if llm.tokenizer is not None else "hf"
@@ -65,7 +65,7 @@ def _reading(
     return OutputReading(prompt, settings.reasoning_parser is not None, parser)
 
 
-def _with_tool_constraint(
+def with_tool_constraint(
     body: ChatCompletionRequest, params: SamplingParams, reading: OutputReading
 ) -> SamplingParams:
     if reading.tool_parser is None:
@@ -129,11 +129,11 @@ async def create_chat_completion(
     body: ChatCompletionRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> Response:
     check_model(body, settings)
-    ids, text = await _prompt(body, llm, settings)
-    reading = _reading(body, llm, settings, text)
+    ids, text = await render_prompt(body, llm, settings)
+    reading = output_reading(body, llm, settings, text)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
-    params = _with_tool_constraint(
+    params = with_tool_constraint(
         body, sampling_params(body, settings, max_tokens, top if body.logprobs else None), reading
     )
     base = new_id("chatcmpl")
