@@ -53,6 +53,7 @@ def server() -> Iterator[Server]:
             "--enable-auto-tool-choice",
         ),
         *("--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-tokens", "16"),
+        *("--default-chat-template-kwargs", '{"thinking": false}'),
     )
     s.model = "austen"
     yield s
@@ -102,15 +103,19 @@ def test_deepseek_vectors_through_tokenize_and_detokenize(server: Server, case: 
 def test_tokenize_takes_the_chat_fields(server: Server) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
-    assert _prompt_text(server, body).endswith("<｜User｜>Hi<｜Assistant｜><think></think>Hel")
-    think = _prompt_text(server, {"messages": messages[:1], "reasoning_effort": "max"})
-    assert think.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum") and think.endswith(
-        "<think>"
+    assert _prompt_text(server, body).endswith(
+        "<｜User｜>Hi<｜Assistant｜></think>Hel"
+    )  # the server's default
+    think = {"thinking": True}
+    think_text = _prompt_text(
+        server, {"messages": messages[:1], "reasoning_effort": "max", "chat_template_kwargs": think}
     )
-    chat = _prompt_text(
-        server, {"messages": messages[:1], "chat_template_kwargs": {"enable_thinking": False}}
+    assert think_text.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum")
+    assert think_text.endswith("<｜Assistant｜><think>")
+    alias = _prompt_text(
+        server, {"messages": messages[:1], "chat_template_kwargs": {"enable_thinking": True}}
     )
-    assert chat.endswith("<｜Assistant｜></think>")
+    assert alias.endswith("<｜Assistant｜><think>")
     tools = _prompt_text(server, {"messages": messages[:1], "tools": [WEATHER]})
     assert '\n{"name": "get_weather", "description": "The weather in a city"' in tools
 
@@ -151,7 +156,8 @@ def test_thinking_output_splits_into_reasoning_then_content(server: Server) -> N
         "messages": [{"role": "user", "content": "Weather in Bath?"}],
         "guided_regex": _literal("It rains in Bath.</think>Take an umbrella."),
         "max_tokens": 100,
-    }  # thinking is on unless turned off
+        "chat_template_kwargs": {"thinking": True},
+    }
     message = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert message["reasoning_content"] == message["reasoning"] == "It rains in Bath."
     assert message["content"] == "Take an umbrella."

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridserve.server.dsml_tool_calls import DsmlToolParser, parse_dsml
-from hybridserve.server.output_parsers import OutputReading
+from hybridserve.server.errors import APIError
+from hybridserve.server.output_parsers import OutputReading, reads_tools
+from hybridserve.server.protocol import ChatCompletionRequest
 from hybridserve.server.reasoning import ReasoningParser, split_reasoning
+from hybridserve.server.serving import ServerSettings
 
 CALLS = (
     "\n\n<｜DSML｜tool_calls>\n"
@@ -99,3 +104,18 @@ def test_streamed_reasoning_then_content(cuts: list[int]) -> None:
     last_reasoning = max(k for k, (r, _) in enumerate(out) if r)
     first_content = min(k for k, (_, c) in enumerate(out) if c)
     assert last_reasoning <= first_content
+
+
+def test_auto_tool_choice_needs_the_flag_once_a_parser_is_named() -> None:
+    tool = {"type": "function", "function": {"name": "f"}}
+    body = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "a"}], tools=[tool], tool_choice="auto"
+    )
+    named = ServerSettings(model_name="m", tool_call_parser="deepseek_v4")
+    with pytest.raises(APIError) as info:
+        reads_tools(body, named)
+    assert info.value.status == 400 and info.value.param == "tool_choice"
+    assert reads_tools(body, replace(named, enable_auto_tool_choice=True))
+    assert reads_tools(body, ServerSettings(model_name="m"))  # no parser named: calls are read anyway
+    assert not reads_tools(body.model_copy(update={"tool_choice": None}), named)
+    assert reads_tools(body.model_copy(update={"tool_choice": "required"}), named)
