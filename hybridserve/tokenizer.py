@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from hybridserve.chat_format import deepseek_v4
-from hybridserve.chat_format.modes import resolve_mode
+from hybridserve.chat_format.modes import ENCODER_FILE, resolve_mode
 
 # DeepSeek's tool-call markers (DeepSeek-V3.1 format: name, then JSON arguments).
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -82,6 +82,8 @@ class Tokenizer:
     def __init__(self, folder: str | Path, mode: str = "auto") -> None:
         folder = Path(folder)
         self.mode = resolve_mode(folder, mode)  # "hf": the Jinja chat template; "deepseek_v4": our encoder
+        encoder = folder / ENCODER_FILE
+        self.effort_prompts = deepseek_v4.effort_prompts(encoder.read_text() if encoder.is_file() else None)
         self.hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         cfg = _read_json(folder / "tokenizer_config.json")
         gen = _read_json(folder / "generation_config.json")
@@ -165,7 +167,7 @@ class Tokenizer:
         the options of ``chat_format.deepseek_v4.options_from``.
         """
         if self.mode == "deepseek_v4":
-            options = deepseek_v4.options_from(extra, add_generation_prompt)
+            options = deepseek_v4.options_from(extra, add_generation_prompt, self.effort_prompts)
             v4_pieces = deepseek_v4.render(messages, extra.get("tools"), options)
             return self.encode_pieces(v4_pieces), deepseek_v4.prompt_text(v4_pieces)
         msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]

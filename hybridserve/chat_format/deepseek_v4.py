@@ -36,7 +36,7 @@ from hybridserve.chat_format.dsml import (
     tools_prompt,
 )
 
-# The reasoning effort levels the encoder defines (thinking mode only): the text put before everything.
+# The reasoning effort levels DeepSeek-V4's encoder defines (thinking mode only): the text put first.
 EFFORT_PROMPTS = {
     "high": "",
     "max": (
@@ -49,12 +49,35 @@ EFFORT_PROMPTS = {
         "unchecked.\n\n"
     ),
 }
+# The later encoder (the DeepSeek-V4 *-0731 checkpoints) has three levels: its "high" is the first's "max".
+EFFORT_PROMPTS_0731 = {
+    "low": "",
+    "high": EFFORT_PROMPTS["max"],
+    "max": (
+        "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+        "decompose the problem into its most fundamental components, trace every causal chain to its root, "
+        "and resolve the underlying cause rather than any surface symptom.\n"
+        "Do not stop reasoning until you have independently verified the solution from multiple angles and "
+        "are certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+    ),
+}
+
+
+def effort_prompts(encoder_source: str | None) -> dict[str, str]:
+    """The effort levels of the encoder a checkpoint ships (its source), the first encoder's if none."""
+    return (
+        EFFORT_PROMPTS_0731
+        if encoder_source and "REASONING_EFFORT_PROMPTS" in encoder_source
+        else EFFORT_PROMPTS
+    )
 
 
 @dataclass(frozen=True)
 class RenderOptions:
     thinking: bool = True
-    reasoning_effort: str | None = None  # a key of EFFORT_PROMPTS
+    reasoning_effort: str | None = None  # a key of efforts
+    efforts: dict[str, str] | None = None  # the encoder's effort levels (None: EFFORT_PROMPTS)
     drop_thinking: bool = True
     add_generation_prompt: bool = True  # after a final user turn: <｜Assistant｜> and the mode's tag
     continue_final_message: bool = False  # a final assistant turn is left open (no EOS)
@@ -64,8 +87,9 @@ def render(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, options: RenderOptions
 ) -> list[Piece]:
     """The prompt as pieces whose texts join to it; ValueError (HistoryError) for what cannot be rendered."""
-    if options.reasoning_effort is not None and options.reasoning_effort not in EFFORT_PROMPTS:
-        raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_PROMPTS)}")
+    efforts = options.efforts or EFFORT_PROMPTS
+    if options.reasoning_effort is not None and options.reasoning_effort not in efforts:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(efforts)}")
     turns = _with_tools(to_turns(messages), [t["function"] for t in tools or []])
     drop = options.drop_thinking and not any(t.tools for t in turns)
     if options.thinking and drop:
@@ -96,8 +120,9 @@ class _Renderer:
     def turn(self, k: int) -> list[Piece]:
         t = self.turns[k]
         pieces: list[Piece] = []
-        if k == 0 and self.options.thinking:
-            pieces.append((EFFORT_PROMPTS[self.options.reasoning_effort or "high"], False))
+        effort = self.options.reasoning_effort
+        if k == 0 and self.options.thinking and effort is not None:
+            pieces.append(((self.options.efforts or EFFORT_PROMPTS)[effort], False))
         if t.role == "system":
             pieces += [(t.content, True), *self._tools(t)]
         elif t.role == "developer":
@@ -154,7 +179,9 @@ def prompt_text(pieces: list[Piece]) -> str:
     return "".join(text for text, _ in pieces)
 
 
-def options_from(kwargs: dict[str, Any], add_generation_prompt: bool = True) -> RenderOptions:
+def options_from(
+    kwargs: dict[str, Any], add_generation_prompt: bool = True, efforts: dict[str, str] | None = None
+) -> RenderOptions:
     """Render options from chat template kwargs: ``thinking`` (or ``enable_thinking``; on unless either is
     given, as vLLM), ``reasoning_effort``, ``drop_thinking``, ``continue_final_message``."""
     if "thinking" in kwargs or "enable_thinking" in kwargs:
@@ -164,6 +191,7 @@ def options_from(kwargs: dict[str, Any], add_generation_prompt: bool = True) -> 
     return RenderOptions(
         thinking=thinking,
         reasoning_effort=kwargs.get("reasoning_effort"),
+        efforts=efforts,
         drop_thinking=bool(kwargs.get("drop_thinking", True)),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=bool(kwargs.get("continue_final_message", False)),

@@ -11,7 +11,7 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve.chat_format.dsml import THINK
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, SamplingParams
-from hybridserve.server.chat_prompt import prompt_kwargs, render_messages
+from hybridserve.server.chat_prompt import prompt_kwargs, render_messages, v4_efforts
 from hybridserve.server.constraints import checked
 from hybridserve.server.errors import APIError
 from hybridserve.server.kv_transfer_params import prefill_answer
@@ -52,8 +52,7 @@ from hybridserve.tokenizer import Tokenizer
 async def render_prompt(
     body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> tuple[list[int], str]:
-    v4 = llm.tokenizer is not None and llm.tokenizer.mode == "deepseek_v4"
-    extra = prompt_kwargs(body, settings, v4)
+    extra = prompt_kwargs(body, settings, v4_efforts(llm))
     return await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS
 from hybridserve.chat_format.deepseek_v4_history import HistoryError
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.server.errors import APIError
@@ -37,9 +36,13 @@ def _message(i: int, m: ChatMessage, v4: bool) -> dict[str, Any]:
     return out
 
 
-def prompt_kwargs(body: _ChatPromptFields, settings: ServerSettings, v4: bool) -> dict[str, Any]:
+def prompt_kwargs(
+    body: _ChatPromptFields, settings: ServerSettings, efforts: dict[str, str] | None
+) -> dict[str, Any]:
     """Template variables: the server's defaults under the request's ``chat_template_kwargs``, then
-    ``reasoning_effort``, ``continue_final_message`` and ``tools``."""
+    ``reasoning_effort``, ``continue_final_message`` and ``tools``. ``efforts``: in DeepSeek-V4's format,
+    its reasoning effort levels (checked here), else None."""
+    v4 = efforts is not None
     kwargs = {**settings.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
     if body.reasoning_effort is not None:
         kwargs["reasoning_effort"] = body.reasoning_effort
@@ -51,8 +54,8 @@ def prompt_kwargs(body: _ChatPromptFields, settings: ServerSettings, v4: bool) -
         kwargs["continue_final_message"] = True
     if body.tools:
         kwargs["tools"] = [_tool_dict(t, v4) for t in body.tools]
-    if v4:
-        _check_v4(kwargs, body)
+    if efforts is not None:
+        _check_v4(kwargs, body, efforts)
     return kwargs
 
 
@@ -61,21 +64,27 @@ def _tool_dict(tool: Tool, as_sent: bool) -> dict[str, Any]:
     return tool.model_dump(exclude_unset=True) if as_sent else tool.model_dump(exclude_none=True)
 
 
-def _check_v4(kwargs: dict[str, Any], body: _ChatPromptFields) -> None:
+def _check_v4(kwargs: dict[str, Any], body: _ChatPromptFields, efforts: dict[str, str]) -> None:
     effort = kwargs.get("reasoning_effort")
-    if effort is not None and effort not in EFFORT_PROMPTS:
+    if effort is not None and effort not in efforts:
         where = (
             "reasoning_effort"
             if body.reasoning_effort is not None
             else "chat_template_kwargs.reasoning_effort"
         )
-        levels = ", ".join(EFFORT_PROMPTS)
+        levels = ", ".join(efforts)
         raise APIError(400, f"{where} must be one of {levels} (DeepSeek-V4's levels), not {effort!r}", where)
     for flag in _V4_FLAGS:
         if flag in kwargs and not isinstance(kwargs[flag], bool):
             raise APIError(
                 400, f"chat_template_kwargs.{flag} must be true or false", f"chat_template_kwargs.{flag}"
             )
+
+
+def v4_efforts(llm: AsyncLLM) -> dict[str, str] | None:
+    """The effort levels of DeepSeek-V4's format when the model speaks it, else None."""
+    tokenizer = llm.tokenizer
+    return tokenizer.effort_prompts if tokenizer is not None and tokenizer.mode == "deepseek_v4" else None
 
 
 async def render_messages(

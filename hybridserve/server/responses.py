@@ -18,6 +18,7 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import RequestOutput
 from hybridserve.server.chat import output_reading, render_prompt, with_tool_constraint
+from hybridserve.server.chat_prompt import v4_efforts
 from hybridserve.server.output_parsers import OutputReading
 from hybridserve.server.protocol import ChatCompletionRequest, FunctionCallOut, ToolCallDelta, ToolCallOut
 from hybridserve.server.responses_input import ResponsesRequest, to_chat
@@ -37,7 +38,7 @@ async def create_response(
     body: ResponsesRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> Response:
     check_model(body, settings)
-    chat = to_chat(body, llm.tokenizer is not None and llm.tokenizer.mode == "deepseek_v4")
+    chat = to_chat(body, v4_efforts(llm))
     ids, prompt = await render_prompt(chat, llm, settings)
     reading = output_reading(chat, llm, settings, prompt)
     params = with_tool_constraint(chat, sampling_params(chat, settings, chat.max_tokens, None), reading)

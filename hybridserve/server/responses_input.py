@@ -7,7 +7,6 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import ChatCompletionRequest, ChatMessage, _Strict
 
@@ -32,8 +31,9 @@ class ResponsesRequest(_Strict):
     guided_regex: str | None = None  # the same
 
 
-def to_chat(body: ResponsesRequest, v4: bool) -> ChatCompletionRequest:
-    """The chat request ``body`` amounts to; 400 naming the field or input item it cannot take."""
+def to_chat(body: ResponsesRequest, efforts: dict[str, str] | None) -> ChatCompletionRequest:
+    """The chat request ``body`` amounts to; 400 naming the field or input item it cannot take.
+    ``efforts``: DeepSeek-V4's reasoning effort levels when the model speaks its format, else None."""
     if body.store:
         raise APIError(400, "this server stores no responses: send store false", param="store")
     if body.previous_response_id is not None:
@@ -51,7 +51,7 @@ def to_chat(body: ResponsesRequest, v4: bool) -> ChatCompletionRequest:
         "stream": body.stream,
         "parallel_tool_calls": body.parallel_tool_calls,
         "chat_template_kwargs": body.chat_template_kwargs,
-        "reasoning_effort": _effort(body.reasoning, v4),
+        "reasoning_effort": _effort(body.reasoning, efforts),
         "guided_regex": body.guided_regex,
     }
     if body.tools:
@@ -68,12 +68,14 @@ def _checked(model: Any, fields: dict[str, Any], param: str) -> Any:
         raise APIError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from exc
 
 
-def _effort(reasoning: dict[str, Any] | None, v4: bool) -> str | None:
+def _effort(reasoning: dict[str, Any] | None, efforts: dict[str, str] | None) -> str | None:
     effort = (reasoning or {}).get("effort")
-    if effort is not None and v4 and effort not in EFFORT_PROMPTS:
-        levels = ", ".join(EFFORT_PROMPTS)
+    if effort is None or efforts is None:
+        return None
+    if effort not in efforts:
+        levels = ", ".join(efforts)
         raise APIError(400, f"reasoning.effort must be one of {levels}, not {effort!r}", "reasoning.effort")
-    return effort if v4 else None
+    return str(effort)
 
 
 def _tool(k: int, tool: dict[str, Any]) -> dict[str, Any]:

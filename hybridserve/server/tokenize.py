@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from hybridserve.engine.async_llm import AsyncLLM
-from hybridserve.server.chat_prompt import prompt_kwargs, render_messages
+from hybridserve.server.chat_prompt import prompt_kwargs, render_messages, v4_efforts
 from hybridserve.server.completions import check_ids
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
@@ -28,7 +28,7 @@ async def tokenize(body: TokenizeRequest, llm: AsyncLLM, settings: ServerSetting
     check_model(body, settings, required=False)
     tokenizer = _tokenizer(llm)
     if body.messages is not None:
-        extra = prompt_kwargs(body, settings, tokenizer.mode == "deepseek_v4")
+        extra = prompt_kwargs(body, settings, v4_efforts(llm))
         ids, _ = await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
     else:
         prompt = body.prompt or ""

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS, options_from, prompt_text, render
+from hybridserve.chat_format.deepseek_v4 import (
+    EFFORT_PROMPTS,
+    effort_prompts,
+    options_from,
+    prompt_text,
+    render,
+)
 from hybridserve.chat_format.deepseek_v4_history import HistoryError
 from hybridserve.chat_format.modes import resolve_mode
 
@@ -132,3 +138,16 @@ def test_mode_is_chosen_for_a_v4_checkpoint_without_a_template(tmp_path: Path) -
     assert resolve_mode(tmp_path, "hf") == "hf"
     with pytest.raises(ValueError, match="--tokenizer-mode"):
         resolve_mode(tmp_path, "mistral")
+
+
+def test_a_checkpoint_with_the_later_encoder_gets_its_three_effort_levels() -> None:
+    later = effort_prompts('REASONING_EFFORT_PROMPTS: Dict[str, str] = {"low": "", ...}')
+    assert list(later) == ["low", "high", "max"] and effort_prompts(None) is EFFORT_PROMPTS
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def first(effort: str) -> str:
+        return prompt_text(render(hi, None, options_from({"reasoning_effort": effort}, True, later)))
+
+    assert first("low") == f"{BOS}{U}Hi{A}<think>"
+    assert first("high") == f"{BOS}{EFFORT_PROMPTS['max']}{U}Hi{A}<think>"
+    assert first("max").startswith(f"{BOS}Reasoning Effort: Beyond maximum — exhaustive")

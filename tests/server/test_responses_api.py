@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS
 from hybridserve.server.responses_input import ResponsesRequest, to_chat
 from tests.server.conftest import API_KEY, Server, start_server, stop_server
 from tests.server.test_deepseek_v4_api import BUNDLED, DSML_CALL, _literal
@@ -135,7 +136,7 @@ def test_items_become_the_chat_messages_they_amount_to() -> None:
         tool_choice={"type": "function", "name": "g"},
         reasoning={"effort": "max"},
     )
-    chat = to_chat(body, v4=True)
+    chat = to_chat(body, EFFORT_PROMPTS)
     assert [(m.role, m.text()) for m in chat.messages] == [
         ("system", "Be brief."),
         ("user", "Hi"),
