@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from hybridserve.server.output_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from hybridserve.server.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

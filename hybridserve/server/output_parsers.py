@@ -12,8 +12,6 @@ from hybridserve.server.reasoning import ReasoningParser, split_reasoning
 from hybridserve.server.serving import ServerSettings
 from hybridserve.server.tool_calls import StreamingToolParser, parse_tool_calls
 
-REASONING_PARSERS = ("deepseek_v4", "deepseek_r1", "deepseek_v3")  # all end the reasoning at </think>
-TOOL_CALL_PARSERS = ("deepseek_v31", "deepseek_v4")
 STRUCTURAL_TAGS = {"deepseek_v31": "deepseek_v3_1", "deepseek_v4": "deepseek_v4"}  # xgrammar's names
 
 
