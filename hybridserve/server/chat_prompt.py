@@ -21,7 +21,7 @@ def _message(i: int, m: ChatMessage, v4: bool) -> dict[str, Any]:
     role = m.role if v4 or m.role != "developer" else "system"
     if m.role == "latest_reminder" and not v4:
         raise APIError(
-            400, f"messages[{i}]: role latest_reminder needs --tokenizer-mode deepseek_v4", "messages"
+            400, f"messages[{i}]: role latest_reminder needs --tokenizer-mode deepseek_v4", f"messages.{i}"
         )
     if m.reasoning is not None and m.reasoning_content is not None and m.reasoning != m.reasoning_content:
         raise APIError(400, f"messages[{i}]: reasoning and reasoning_content differ", f"messages.{i}")
