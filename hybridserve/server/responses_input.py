@@ -29,6 +29,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as in chat completions (vLLM's extension)
     guided_regex: str | None = None  # the same
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
 
 
 def to_chat(body: ResponsesRequest, efforts: dict[str, str] | None) -> ChatCompletionRequest:
@@ -53,19 +54,37 @@ def to_chat(body: ResponsesRequest, efforts: dict[str, str] | None) -> ChatCompl
         "chat_template_kwargs": body.chat_template_kwargs,
         "reasoning_effort": _effort(body.reasoning, efforts),
         "guided_regex": body.guided_regex,
+        "response_format": _response_format(body.text),
     }
     if body.tools:
         fields["tools"] = [_tool(k, t) for k, t in enumerate(body.tools)]
     if body.tool_choice is not None:
         fields["tool_choice"] = _tool_choice(body.tool_choice)
-    return _checked(ChatCompletionRequest, fields, "tool_choice")
+    return _checked(ChatCompletionRequest, fields, "tool_choice", located=True)
 
 
-def _checked(model: Any, fields: dict[str, Any], param: str) -> Any:
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (whose json_schema nests what Responses puts flat)."""
+    fmt = dict((text or {}).get("format") or {})
+    if fmt.get("type") != "json_schema":
+        return fmt or None
+    keys = ("name", "description", "schema", "strict")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+
+
+def _checked(model: Any, fields: dict[str, Any], param: str, located: bool = False) -> Any:
+    """``model(**fields)``; a 400 naming ``param``, or with ``located`` the Responses field at fault (a
+    check of the whole request, such as tool_choice naming a tool, names ``param``)."""
     try:
         return model(**fields)
     except ValidationError as exc:
-        raise APIError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from exc
+        first = exc.errors()[0]
+        if located and first["loc"]:
+            param = _RESPONSES_NAMES.get(str(first["loc"][0]), str(first["loc"][0]))
+        raise APIError(400, f"{param}: {first['msg']}", param=param) from exc
+
+
+_RESPONSES_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens"}
 
 
 def _effort(reasoning: dict[str, Any] | None, efforts: dict[str, str] | None) -> str | None:

@@ -160,6 +160,8 @@ def test_items_become_the_chat_messages_they_amount_to() -> None:
         ({"input": [{"type": "web_search_call"}]}, "input.0"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(server: Server, change: dict[str, Any], param: str) -> None:
@@ -167,3 +169,13 @@ def test_what_is_not_served_is_a_400_naming_it(server: Server, change: dict[str,
     r = httpx.post(f"{server.url}/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_text_format_is_the_chat_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
+    chat = to_chat(ResponsesRequest(model="m", input="Hi", text={"format": fmt}), None)
+    assert chat.response_format is not None and chat.response_format.json_schema is not None
+    assert chat.response_format.json_schema.schema_ == schema
+    plain = to_chat(ResponsesRequest(model="m", input="Hi", text={"format": {"type": "text"}}), None)
+    assert plain.response_format is not None and plain.response_format.type == "text"
