@@ -32,7 +32,7 @@ def _message(i: int, m: ChatMessage, v4: bool) -> dict[str, Any]:
     pairs.append(("reasoning_content", m.reasoning_content or m.reasoning))
     out.update({k: v for k, v in pairs if v is not None})
     if v4 and m.tools:
-        out["tools"] = [t.model_dump(exclude_unset=True) for t in m.tools]
+        out["tools"] = [_tool_dict(t, True) for t in m.tools]
     return out
 
 
@@ -61,7 +61,9 @@ def prompt_kwargs(
 
 def _tool_dict(tool: Tool, as_sent: bool) -> dict[str, Any]:
     """A tool as the client sent it (DeepSeek-V4 prints the definition's JSON), or without its nulls."""
-    return tool.model_dump(exclude_unset=True) if as_sent else tool.model_dump(exclude_none=True)
+    if as_sent:
+        return {"type": "function", "function": tool.function_as_sent()}
+    return tool.model_dump(exclude_none=True)
 
 
 def _check_v4(kwargs: dict[str, Any], body: _ChatPromptFields, efforts: dict[str, str]) -> None:

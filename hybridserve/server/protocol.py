@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 log = logging.getLogger("hybridserve.server")
 
@@ -177,6 +177,19 @@ class FunctionDefinition(_Strict):
 class Tool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+    _sent: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_as_sent(cls, data: Any, handler: Any) -> Any:
+        tool = handler(data)
+        if isinstance(data, dict) and isinstance(data.get("function"), dict):
+            tool._sent = dict(data["function"])
+        return tool
+
+    def function_as_sent(self) -> dict[str, Any]:
+        """The function definition with the keys the client sent, in its order (DeepSeek-V4 prints it)."""
+        return self._sent if self._sent is not None else self.function.model_dump(exclude_unset=True)
 
 
 class NamedFunction(_Strict):

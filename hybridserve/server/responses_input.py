@@ -100,8 +100,7 @@ def _effort(reasoning: dict[str, Any] | None, efforts: dict[str, str] | None) ->
 def _tool(k: int, tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function" or not tool.get("name"):
         raise APIError(400, "only function tools (type function, with a name) are served", f"tools.{k}")
-    keys = ("name", "description", "parameters", "strict")
-    return {"type": "function", "function": {key: tool[key] for key in keys if tool.get(key) is not None}}
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}  # as sent
 
 
 def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:

@@ -118,6 +118,14 @@ def test_tokenize_takes_the_chat_fields(server: Server) -> None:
     assert alias.endswith("<｜Assistant｜><think>")
     tools = _prompt_text(server, {"messages": messages[:1], "tools": [WEATHER]})
     assert '\n{"name": "get_weather", "description": "The weather in a city"' in tools
+    as_sent = {
+        "type": "function",
+        "function": {"parameters": {"type": "object"}, "name": "f", "strict": None},
+    }
+    tools = _prompt_text(server, {"messages": messages[:1], "tools": [as_sent]})
+    assert (
+        '\n{"parameters": {"type": "object"}, "name": "f", "strict": null}\n' in tools
+    )  # as DeepSeek prints
 
 
 @pytest.mark.parametrize("thinking", [False, True])
