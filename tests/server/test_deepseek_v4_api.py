@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.server.conftest import API_KEY, Server, start_server, stop_server
@@ -236,3 +237,35 @@ def test_auto_tool_choice_reads_text_or_a_call_held_to_the_schema(server: Server
     for call in message["tool_calls"]:
         assert call["function"]["name"] == "get_weather"
         assert set(json.loads(call["function"]["arguments"])) == {"city", "days"}
+
+
+def test_an_openai_client_tool_loop_round_trips_its_own_history(server: Server) -> None:
+    """The official client's messages, replayed: the call and its reasoning go back into the prompt as
+    DSML, the result as a <tool_result> block of the next user turn."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    messages: list[Any] = [{"role": "user", "content": "Weather in Bath?"}]
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    forced = "Use the tool.</think>" + DSML_CALL
+    first = client.chat.completions.create(
+        model="austen",
+        messages=messages,
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_tokens=400,
+        extra_body={**thinking, "guided_regex": _literal(forced)},
+    ).choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.tool_calls
+    messages.append(first.message.model_dump(exclude_none=True))
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": "Sunny"} for c in first.message.tool_calls]
+    reply = client.chat.completions.create(
+        model="austen",
+        messages=messages,
+        tools=[WEATHER],
+        max_tokens=4,
+        extra_body=thinking,  # type: ignore[list-item]
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = _prompt_text(server, {"messages": messages, "tools": [WEATHER], **thinking})
+    assert prompt.endswith(
+        f"<｜Assistant｜><think>Use the tool.</think>{DSML_CALL}<｜end▁of▁sentence｜>"
+        "<｜User｜><tool_result>Sunny</tool_result><｜Assistant｜><think>"
+    )
