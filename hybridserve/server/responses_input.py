@@ -147,8 +147,8 @@ def _content(content: Any, k: int) -> str:
     return content if isinstance(content, str) else "".join(_texts(content or [], k))
 
 
-def _texts(parts: list[Any], k: int) -> list[str]:
-    texts = [p.get("text") for p in parts if isinstance(p, dict)]
-    if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "content parts must be text parts ({'type': ..., 'text': ...})", f"input.{k}")
+def _texts(parts: Any, k: int) -> list[str]:
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    if not isinstance(parts, list) or len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "content must be text or text parts ({'type': ..., 'text': ...})", f"input.{k}")
     return [str(t) for t in texts]

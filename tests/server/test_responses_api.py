@@ -11,8 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS
+from hybridserve.server.errors import APIError
 from hybridserve.server.responses_input import ResponsesRequest, to_chat
 from tests.server.conftest import API_KEY, Server, start_server, stop_server
 from tests.server.test_deepseek_v4_api import BUNDLED, DSML_CALL, _literal
@@ -179,3 +183,40 @@ def test_text_format_is_the_chat_response_format() -> None:
     assert chat.response_format.json_schema.schema_ == schema
     plain = to_chat(ResponsesRequest(model="m", input="Hi", text={"format": {"type": "text"}}), None)
     assert plain.response_format is not None and plain.response_format.type == "text"
+
+
+_JSON = st.recursive(
+    st.integers() | st.booleans() | st.text(max_size=5) | st.none(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+_KEYS = st.sampled_from(
+    ["type", "role", "content", "text", "call_id", "name", "arguments", "output", "summary"]
+)
+_ITEM = st.one_of(
+    st.dictionaries(_KEYS, _JSON | st.sampled_from(["message", "user", "function_call", "reasoning"])),
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": _JSON}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "content": _JSON, "summary": _JSON}),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": _JSON, "name": _JSON, "arguments": _JSON}
+    ),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _JSON, "output": _JSON}),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(_ITEM, min_size=1, max_size=4),
+    extra=st.dictionaries(
+        st.sampled_from(["tools", "tool_choice", "text", "reasoning", "instructions"]), _JSON, max_size=2
+    ),
+)
+def test_any_input_is_a_chat_request_or_a_400(items: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    try:
+        body = ResponsesRequest(model="m", input=items, **extra)
+    except ValidationError:  # FastAPI answers these with a 400 before the handler runs
+        body = ResponsesRequest(model="m", input=items)
+    try:
+        to_chat(body, EFFORT_PROMPTS)
+    except APIError as exc:
+        assert exc.status == 400 and exc.param
