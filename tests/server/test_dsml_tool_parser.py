@@ -119,3 +119,44 @@ def test_auto_tool_choice_needs_the_flag_once_a_parser_is_named() -> None:
     assert reads_tools(body, ServerSettings(model_name="m"))  # no parser named: calls are read anyway
     assert not reads_tools(body.model_copy(update={"tool_choice": None}), named)
     assert reads_tools(body.model_copy(update={"tool_choice": "required"}), named)
+
+
+_FRAGMENTS = [
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    '<｜DSML｜invoke name="f">',
+    "</｜DSML｜invoke>",
+    '<｜DSML｜parameter name="a" string="true">',
+    '<｜DSML｜parameter name="b" string="false">',
+    "</｜DSML｜parameter>",
+    "\n",
+    "\n\n",
+    "<",
+    "<｜DS",
+    '"',
+    "{",
+    "1",
+    "text",
+    "}",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=24), cuts=st.lists(st.integers(0, 400), max_size=6)
+)
+def test_any_output_parses_to_json_calls_and_markup_free_content(parts: list[str], cuts: list[int]) -> None:
+    text = "".join(parts)
+    content, calls = parse_dsml(text)
+    assert "<｜DSML｜tool_calls>" not in (content or "")
+    for call in calls:
+        json.loads(call.function.arguments)
+    parser, streamed, deltas = DsmlToolParser(), "", []
+    pieces = _pieces(text, [c for c in cuts if c <= len(text)])
+    for k, piece in enumerate(pieces):
+        out, new = parser.feed(piece, final=k == len(pieces) - 1)
+        streamed, deltas = streamed + out, deltas + new
+    assert streamed == (content or "")
+    for i, call in enumerate(calls):
+        joined = "".join(d.function.arguments or "" for d in deltas if d.index == i)
+        assert joined == call.function.arguments
