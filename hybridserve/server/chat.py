@@ -52,6 +52,7 @@ from hybridserve.tokenizer import Tokenizer
 async def render_prompt(
     body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> tuple[list[int], str]:
+    """(token ids, text) of the request's prompt in the model's conversation format."""
     extra = prompt_kwargs(body, settings, v4_efforts(llm))
     return await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
 
@@ -59,6 +60,7 @@ async def render_prompt(
 def output_reading(
     body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings, prompt: str
 ) -> OutputReading:
+    """How the answer to ``prompt`` is read: for reasoning (--reasoning-parser), for tool calls (which)."""
     mode = llm.tokenizer.mode if llm.tokenizer is not None else "hf"
     parser = tool_parser_name(settings, mode) if reads_tools(body, settings) else None
     return OutputReading(prompt, settings.reasoning_parser is not None, parser)
@@ -67,6 +69,7 @@ def output_reading(
 def with_tool_constraint(
     body: ChatCompletionRequest, params: SamplingParams, reading: OutputReading
 ) -> SamplingParams:
+    """``params`` with the grammar of the tool calls the request forces (or, in DSML, allows)."""
     if reading.tool_parser is None:
         return params
     dsml = reading.tool_parser == "deepseek_v4"
