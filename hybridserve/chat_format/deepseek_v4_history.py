@@ -65,7 +65,8 @@ def to_turns(messages: list[dict[str, Any]]) -> list[Turn]:
         else:
             calls = [_call(i, c) for c in m.get("tool_calls") or []] if role == "assistant" else []
             functions = [t["function"] for t in m.get("tools") or []] or None
-            turns.append(Turn(role, content, m.get("reasoning_content"), calls, tools=functions))
+            reasoning = m.get("reasoning_content", m.get("reasoning"))  # DeepSeek's name, or vLLM's
+            turns.append(Turn(role, content, reasoning, calls, tools=functions))
     return _in_call_order(turns)
 
 

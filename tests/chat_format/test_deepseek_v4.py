@@ -71,6 +71,8 @@ def test_tool_results_merge_into_one_user_turn_in_call_order() -> None:
     assert text(messages) == f"{BOS}{U}Go{A}</think>{calls}{EOS}{U}{results}{A}<think>"
     kept = text(messages, drop_thinking=False)
     assert kept == f"{BOS}{U}Go{A}<think>r</think>{calls}{EOS}{U}{results}{A}<think>"
+    messages[1]["reasoning"] = messages[1].pop("reasoning_content")  # vLLM's name, as LLM.chat may get it
+    assert text(messages, drop_thinking=False) == kept
 
 
 def test_tools_go_to_the_leading_system_message_or_one_put_first() -> None:
