@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hybridserve.chat_format.modes import MODES as TOKENIZER_MODES
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -107,6 +109,13 @@ class EngineConfig:
     model: str = field(default_factory=default_model_path, metadata={"help": "Hugging Face model folder"})
     dtype: str = field(
         default="auto", metadata={"help": "auto (the checkpoint's), float32, bfloat16, float16"}
+    )
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "conversation format: hf (the chat template), deepseek_v4 (DeepSeek-V4's encoder), "
+            "auto (deepseek_v4 for a V4 checkpoint shipping the encoder or no chat template)"
+        },
     )
     device: str = field(
         default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:N"}
@@ -246,6 +255,8 @@ class EngineConfig:
             raise ValueError(
                 f"--disaggregation-mode must be prefill or decode, not {self.disaggregation_mode!r}"
             )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r}: choose {', '.join(TOKENIZER_MODES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         parse_size(self.kv_cache_memory)

@@ -14,6 +14,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from hybridserve.chat_format import deepseek_v4
+from hybridserve.chat_format.modes import ENCODER_FILE, resolve_mode
+
 # DeepSeek's tool-call markers (DeepSeek-V3.1 format: name, then JSON arguments).
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -76,8 +79,11 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     """``tokenizer.json`` plus what we use of ``tokenizer_config.json`` and ``generation_config.json``."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, mode: str = "auto") -> None:
         folder = Path(folder)
+        self.mode = resolve_mode(folder, mode)  # "hf": the Jinja chat template; "deepseek_v4": our encoder
+        encoder = folder / ENCODER_FILE
+        self.effort_prompts = deepseek_v4.effort_prompts(encoder.read_text() if encoder.is_file() else None)
         self.hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         cfg = _read_json(folder / "tokenizer_config.json")
         gen = _read_json(folder / "generation_config.json")
@@ -157,17 +163,26 @@ class Tokenizer:
         of special-token text the ids equal ``encode(apply_chat_template(...), add_special_tokens=False)``.
         Only content is protected, so special-token text in any other message field raises ValueError, as
         does special-token text in content when the template transforms content (so it can't be located).
+        In ``deepseek_v4`` mode every text the client sent is protected, and ``extra`` holds ``tools`` and
+        the options of ``chat_format.deepseek_v4.options_from``.
         """
+        if self.mode == "deepseek_v4":
+            options = deepseek_v4.options_from(extra, add_generation_prompt, self.effort_prompts)
+            v4_pieces = deepseek_v4.render(messages, extra.get("tools"), options)
+            return self.encode_pieces(v4_pieces), deepseek_v4.prompt_text(v4_pieces)
         msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
         others = [{k: v for k, v in m.items() if k != "content"} for m in msgs]
         self._reject_specials(others, "message fields other than content")
         self._reject_specials(list(extra.values()), "tools or template arguments")
         text = self.apply_chat_template(msgs, add_generation_prompt, **extra)
         pieces = self._split_content(msgs, add_generation_prompt, text, extra)
+        if extra.get("continue_final_message"):
+            pieces = _through_last_content(pieces)
+            text = "".join(p for p, _ in pieces)
         if pieces is None:
             self._reject_specials([m["content"] for m in msgs], "message content with this chat template")
             return self.encode(text, add_special_tokens=False), text
-        return self._encode_pieces(pieces), text
+        return self.encode_pieces(pieces), text
 
     def _reject_specials(self, values: list[Any], where: str) -> None:
         found = sorted({t for s in _strings(values) for t in self._specials if t in s})
@@ -195,8 +210,9 @@ class Tokenizer:
             return None
         return [(p or "", is_content) for p, is_content in pieces]
 
-    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
-        """Special tokens of template pieces as ids, the text between them (content too) as plain text."""
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """(text, is_content) pieces: special tokens of non-content pieces as ids, the text between them
+        (content too) as plain text."""
         runs, specials = self._runs(pieces)
         ids: list[int] = []
         for k, run in enumerate(runs):
@@ -225,6 +241,14 @@ _WHITE_SPACE = (
     + "".join(map(chr, range(0x2000, 0x200B)))
     + "\u2028\u2029\u202f\u205f\u3000"
 )
+
+
+def _through_last_content(pieces: list[tuple[str, bool]] | None) -> list[tuple[str, bool]]:
+    """The rendered conversation cut after the last message's content, so the model continues it."""
+    last = max((k for k, (_, is_content) in enumerate(pieces or []) if is_content), default=None)
+    if pieces is None or last is None:
+        raise ValueError("continue_final_message: the final message cannot be found in this chat template")
+    return pieces[: last + 1]
 
 
 def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -306,9 +330,10 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
-def load_tokenizer(folder: str | Path) -> Tokenizer | None:
-    """The folder's tokenizer, or None when it ships none (token-id prompts only)."""
-    return Tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+def load_tokenizer(folder: str | Path, mode: str = "auto") -> Tokenizer | None:
+    """The folder's tokenizer, or None when it ships none (token-id prompts only); ``mode`` as
+    ``chat_format.modes.resolve_mode``."""
+    return Tokenizer(folder, mode) if (Path(folder) / "tokenizer.json").is_file() else None
 
 
 class IncrementalDetokenizer:

@@ -282,3 +282,9 @@ def test_chat_template_compiles_once_per_template(chat_tok: Tokenizer) -> None:
     assert chat_tok.apply_chat_template(messages) == first
     after = tokenizer_module._compiled_template.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
+
+
+def test_continue_final_message_leaves_the_last_message_open(chat_tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    ids, text = chat_tok.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<｜Assistant｜>Hel") and chat_tok.decode(ids, skip_special_tokens=False) == text

@@ -50,7 +50,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         """Starts the engine-core process and waits until it has loaded the model (blocking)."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer_mode)
         self.client: EngineCoreClient | DPEngineCoreClient = (
             DPEngineCoreClient(config) if config.data_parallel_size > 1 else EngineCoreClient(config)
         )

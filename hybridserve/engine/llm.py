@@ -30,7 +30,7 @@ class LLM:
         self.engine: EngineCore | DataParallelEngine = (
             DataParallelEngine(self.config) if self.config.data_parallel_size > 1 else EngineCore(self.config)
         )
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer_mode)
         self._ids = itertools.count()
         if isinstance(self.engine, EngineCore):  # data-parallel ranks warm up in their own processes
             _warm_up(self.engine, show=bool(self.config.compile_decode or self.config.compile_prefill))
@@ -71,9 +71,11 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to several, in the chat template
-        (``chat_template`` instead of the checkpoint's, if given; ``tools`` as OpenAI tool definitions)."""
+        (``chat_template`` instead of the checkpoint's, if given; ``tools`` as OpenAI tool definitions;
+        ``chat_template_kwargs`` e.g. ``{"thinking": False}`` in DeepSeek-V4's format)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} ships no tokenizer.json, so chat is unavailable")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -81,7 +83,8 @@ class LLM:
         if chat_template is not None:
             tokenizer = copy.copy(self.tokenizer)
             tokenizer.chat_template = load_chat_template(chat_template)
-        extra = {"tools": tools} if tools else {}
+            tokenizer.mode = "hf"
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts: list[PromptType] = []
         for conversation in conversations:
             ids, _ = tokenizer.encode_chat(list(conversation), add_generation_prompt, **extra)  # type: ignore[arg-type]

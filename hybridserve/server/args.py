@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+from hybridserve.server.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +26,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         default=env("HYBRIDSERVE_CHAT_TEMPLATE"),
         help="Jinja chat template (a file, or the template itself) instead of the checkpoint's",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON template options under each request's chat_template_kwargs, e.g. '{\"thinking\": false}'",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split the output's reasoning (message.reasoning_content) from its content",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="read tool calls in this format (default: the tokenizer mode's; deepseek_v31 for templates)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="with --tool-call-parser: read tool calls the model chooses to make (tool_choice auto)",
     )
     parser.add_argument(
         "--max-queue",

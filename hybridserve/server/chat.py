@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from functools import partial
-from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
+from hybridserve.chat_format.dsml import THINK
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, SamplingParams
+from hybridserve.server.chat_prompt import prompt_kwargs, render_messages, v4_efforts
 from hybridserve.server.constraints import checked
 from hybridserve.server.errors import APIError
 from hybridserve.server.kv_transfer_params import prefill_answer
+from hybridserve.server.output_parsers import (
+    STRUCTURAL_TAGS,
+    ChatOutputParser,
+    OutputReading,
+    reads_tools,
+    tool_parser_name,
+)
 from hybridserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,7 +29,6 @@ from hybridserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     TokenLogprob,
@@ -31,56 +37,45 @@ from hybridserve.server.protocol import (
 from hybridserve.server.serving import (
     ServerSettings,
     check_model,
-    check_text_fits,
     final_outputs,
     new_id,
-    off_loop,
     prompt_logprobs_json,
     sampling_params,
     start,
     usage,
 )
 from hybridserve.server.streams import guarded, sse
-from hybridserve.server.tool_calls import StreamingToolParser, parse_tool_calls, parses_tools, tool_constraint
+from hybridserve.server.tool_calls import tool_constraint
 from hybridserve.tokenizer import Tokenizer
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it (``developer`` is ``system``; tool calls as dicts)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-    out.update({k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None})
-    return out
-
-
-async def render_messages(
-    messages: list[ChatMessage], llm: AsyncLLM, add_generation_prompt: bool, **extra: Any
+async def render_prompt(
+    body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> tuple[list[int], str]:
-    """Token ids and text of the conversation in the chat template; 400 when it cannot be rendered."""
-    tokenizer = llm.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so chat is unavailable: use /v1/completions")
-    rendered = [_message(m) for m in messages]
-    content = "".join(m["content"] for m in rendered)
-    check_text_fits(llm, content, "messages")
-    try:
-        return await off_loop(
-            len(content), partial(tokenizer.encode_chat, rendered, add_generation_prompt, **extra)
-        )
-    except Exception as exc:  # the template's raise_exception, text it cannot escape, or a template bug
-        raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from exc
-
-
-async def _prompt(body: ChatCompletionRequest, llm: AsyncLLM) -> tuple[list[int], str]:
-    extra = dict(body.chat_template_kwargs or {})
-    if body.tools:
-        extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    """(token ids, text) of the request's prompt in the model's conversation format."""
+    extra = prompt_kwargs(body, settings, v4_efforts(llm))
     return await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
 
 
-def _with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
-    forced = tool_constraint(body)
+def output_reading(
+    body: ChatCompletionRequest, llm: AsyncLLM, settings: ServerSettings, prompt: str
+) -> OutputReading:
+    """How the answer to ``prompt`` is read: for reasoning (--reasoning-parser), for tool calls (which)."""
+    mode = llm.tokenizer.mode if llm.tokenizer is not None else "hf"
+    parser = tool_parser_name(settings, mode) if reads_tools(body, settings) else None
+    return OutputReading(prompt, settings.reasoning_parser is not None, parser)
+
+
+def with_tool_constraint(
+    body: ChatCompletionRequest, params: SamplingParams, reading: OutputReading
+) -> SamplingParams:
+    """``params`` with the grammar of the tool calls the request forces (or, in DSML, allows)."""
+    if reading.tool_parser is None:
+        return params
+    dsml = reading.tool_parser == "deepseek_v4"
+    thinking = dsml and reading.prompt.endswith(THINK)
+    auto = dsml and params.structured_outputs is None  # a call begun is held to the schema
+    forced = tool_constraint(body, STRUCTURAL_TAGS[reading.tool_parser], thinking, auto)
     if forced is None:
         return params
     if params.structured_outputs is not None:
@@ -93,15 +88,14 @@ def _with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams) -
 
 
 def _message_of(
-    body: ChatCompletionRequest, text: str, finish: str | None
+    reading: OutputReading, text: str, finish: str | None
 ) -> tuple[ChatResponseMessage, str | None]:
-    """The response message, with tool calls parsed out when the request reads them."""
-    if not parses_tools(body):
-        return ChatResponseMessage(content=text), finish
-    content, calls = parse_tool_calls(text)
-    return ChatResponseMessage(
-        content=content, tool_calls=calls
-    ), "tool_calls" if calls and finish == "stop" else finish
+    """The response message: reasoning and tool calls parsed out when the request reads them."""
+    reasoning, content, calls = reading.whole(text)
+    message = ChatResponseMessage(
+        content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
+    )
+    return message, "tool_calls" if calls and finish == "stop" else finish
 
 
 def _logprobs(
@@ -137,17 +131,19 @@ async def create_chat_completion(
     body: ChatCompletionRequest, raw: HTTPRequest, llm: AsyncLLM, settings: ServerSettings
 ) -> Response:
     check_model(body, settings)
-    ids, text = await _prompt(body, llm)
+    ids, text = await render_prompt(body, llm, settings)
+    reading = output_reading(body, llm, settings, text)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
-    params = _with_tool_constraint(
-        body, sampling_params(body, settings, max_tokens, top if body.logprobs else None)
+    params = with_tool_constraint(
+        body, sampling_params(body, settings, max_tokens, top if body.logprobs else None), reading
     )
     base = new_id("chatcmpl")
     requests, outputs = await start(llm, settings, base, [ids], params, body.n, [text], body)
     if body.stream:
         return StreamingResponse(
-            guarded(_stream(body, base, ids, requests, outputs, llm, top)), media_type="text/event-stream"
+            guarded(_stream(body, base, ids, requests, outputs, llm, top, reading)),
+            media_type="text/event-stream",
         )
 
     finals = await final_outputs(raw, outputs, len(requests))
@@ -155,7 +151,7 @@ async def create_chat_completion(
         return Response(status_code=499)  # the client went away; its requests were aborted
     choices = []
     for i, o in enumerate(finals):
-        message, finish = _message_of(body, o.outputs[0].text, o.outputs[0].finish_reason)
+        message, finish = _message_of(reading, o.outputs[0].text, o.outputs[0].finish_reason)
         choices.append(
             ChatChoice(
                 index=i,
@@ -185,38 +181,39 @@ async def _stream(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     llm: AsyncLLM,
     top: int,
+    reading: OutputReading,
 ) -> AsyncIterator[str]:
     model = body.model
     for i in range(len(requests)):
         first = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[first]))
     finals: dict[int, RequestOutput] = {}
-    parsers = [StreamingToolParser() if parses_tools(body) else None for _ in requests]
+    parsers = [reading.stream_parser() for _ in requests]
     async for i, out in outputs:
         c = out.outputs[0]
         if out.finished:
             finals[i] = out
         if not out.new_text and not out.finished and not (body.logprobs and out.new_token_ids):
             continue
-        delta, finish = _delta(parsers[i], out.new_text, c.finish_reason)
-        choice = ChatChunkChoice(
-            index=i,
-            delta=delta,
-            logprobs=_logprobs(out.new_logprobs or None, out.new_token_ids, llm.tokenizer, top),
-            finish_reason=finish,
-        )
-        yield sse(ChatCompletionChunk(id=base, model=model, choices=[choice]))
+        logprobs = _logprobs(out.new_logprobs or None, out.new_token_ids, llm.tokenizer, top)
+        for delta, finish in _deltas(parsers[i], out.new_text, c.finish_reason):
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
+            yield sse(ChatCompletionChunk(id=base, model=model, choices=[choice]))
+            logprobs = None
     if body.stream_options and body.stream_options.include_usage:
         ordered = [finals[i] for i in range(len(requests))]
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[], usage=usage([ids], ordered, body.n)))
     yield sse("[DONE]")
 
 
-def _delta(
-    parser: StreamingToolParser | None, text: str, finish: str | None
-) -> tuple[DeltaMessage, str | None]:
-    if parser is None:
-        return DeltaMessage(content=text or None), finish
-    content, calls = parser.feed(text, final=finish is not None)
-    finish = "tool_calls" if finish == "stop" and parser.calls else finish
-    return DeltaMessage(content=content or None, tool_calls=calls or None), finish
+def _deltas(parser: ChatOutputParser, text: str, finish: str | None) -> list[tuple[DeltaMessage, str | None]]:
+    """One step's deltas: the reasoning first, then the answer (content, tool calls) in a chunk of its own."""
+    reasoning, content, calls = parser.feed(text, final=finish is not None)
+    finish = "tool_calls" if finish == "stop" and parser.made_calls else finish
+    answer = DeltaMessage(content=content or None, tool_calls=calls or None)
+    if not reasoning:
+        return [(answer, finish)]
+    thought = DeltaMessage(reasoning_content=reasoning, reasoning=reasoning)
+    if not (content or calls or finish):
+        return [(thought, None)]
+    return [(thought, None), (answer, finish)]

@@ -52,6 +52,10 @@ def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> Server
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         generation_defaults=generation_defaults(config.model),
+        default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 

@@ -36,6 +36,8 @@ from hybridserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from hybridserve.server.responses import create_response
+from hybridserve.server.responses_input import ResponsesRequest
 from hybridserve.server.serving import ServerSettings, api_id
 from hybridserve.server.tokenize import detokenize, tokenize
 
@@ -100,6 +102,7 @@ def build_app(
             llm = await asyncio.to_thread(make_engine, config)
             if settings.chat_template is not None and llm.tokenizer is not None:
                 llm.tokenizer.chat_template = settings.chat_template
+                llm.tokenizer.mode = "hf"  # a template given explicitly is what the user wants rendered
             llm.start()
             llm.on_finish.append(_log_finished)
             llm.on_fatal.append(state.die)
@@ -216,6 +219,12 @@ def _routes(app: FastAPI, state: AppState) -> None:
     )
     async def chat(body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(body, raw, state.engine(), state.settings)
+
+    @app.post("/v1/responses", dependencies=guarded, responses=GENERATE_RESPONSES)
+    async def responses_route(body: ResponsesRequest, raw: HTTPRequest) -> Response:
+        """OpenAI's Responses API: text or items in, reasoning, message and function_call items out;
+        ``store`` false only (nothing is kept between requests)."""
+        return await create_response(body, raw, state.engine(), state.settings)
 
     @app.post(
         "/v1/requests/{request_id}/abort", dependencies=guarded, responses=responses(401, 404, 415, 503)

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 log = logging.getLogger("hybridserve.server")
 
@@ -177,6 +177,19 @@ class FunctionDefinition(_Strict):
 class Tool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+    _sent: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_as_sent(cls, data: Any, handler: Any) -> Any:
+        tool = handler(data)
+        if isinstance(data, dict) and isinstance(data.get("function"), dict):
+            tool._sent = dict(data["function"])
+        return tool
+
+    def function_as_sent(self) -> dict[str, Any]:
+        """The function definition with the keys the client sent, in its order (DeepSeek-V4 prints it)."""
+        return self._sent if self._sent is not None else self.function.model_dump(exclude_unset=True)
 
 
 class NamedFunction(_Strict):
@@ -189,11 +202,14 @@ class NamedToolChoice(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # a past answer's reasoning (DeepSeek's name)
+    reasoning: str | None = None  # the same (vLLM's name)
+    tools: list[Tool] | None = Field(None, max_length=128)  # DeepSeek-V4: tools shown in this message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -201,17 +217,24 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatPromptFields(_Strict):
+    """What shapes a chat prompt: shared by chat completions and /tokenize."""
+
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+class ChatCompletionRequest(_ChatPromptFields, _SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -231,12 +254,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatPromptFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -336,6 +358,8 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: what the model thought first
+    reasoning: str | None = None  # the same, under vLLM's newer name
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -373,6 +397,8 @@ class ToolCallDelta(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -32,6 +32,10 @@ class ServerSettings:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_aliases: list[str] = field(default_factory=list)  # more names the model answers to
     chat_template: str | None = None  # instead of the checkpoint's (--chat-template)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under the request's
+    reasoning_parser: str | None = None  # --reasoning-parser: split reasoning from content
+    tool_call_parser: str | None = None  # --tool-call-parser; None: the tokenizer mode's own
+    enable_auto_tool_choice: bool = False  # with a named parser: read calls when tool_choice is auto
 
 
 T = TypeVar("T")

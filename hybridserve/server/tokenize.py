@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from hybridserve.engine.async_llm import AsyncLLM
-from hybridserve.server.chat import render_messages
+from hybridserve.server.chat_prompt import prompt_kwargs, render_messages, v4_efforts
 from hybridserve.server.completions import check_ids
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import (
@@ -28,7 +28,8 @@ async def tokenize(body: TokenizeRequest, llm: AsyncLLM, settings: ServerSetting
     check_model(body, settings, required=False)
     tokenizer = _tokenizer(llm)
     if body.messages is not None:
-        ids, _ = await render_messages(body.messages, llm, body.add_generation_prompt)
+        extra = prompt_kwargs(body, settings, v4_efforts(llm))
+        ids, _ = await render_messages(body.messages, llm, body.add_generation_prompt, **extra)
     else:
         prompt = body.prompt or ""
         check_text_fits(llm, prompt, "prompt")
@@ -41,6 +42,6 @@ async def detokenize(body: DetokenizeRequest, llm: AsyncLLM, settings: ServerSet
     check_model(body, settings, required=False)
     tokenizer = _tokenizer(llm)
     check_ids(body.tokens, llm.vocab_size, "tokens")
-    return DetokenizeResponse(
-        prompt=await off_loop(len(body.tokens) * 4, partial(tokenizer.decode, body.tokens))
-    )
+    # special tokens kept: a rendered chat prompt comes back whole (vLLM's /detokenize keeps them too)
+    decode = partial(tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return DetokenizeResponse(prompt=await off_loop(len(body.tokens) * 4, decode))

@@ -33,35 +33,35 @@ MAX_JSON_WHITESPACE = 1  # per gap in forced arguments: a weak model must not pa
 _V3_ARGS = re.compile(r"^\s*(\S+)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
 
 
-def parses_tools(body: ChatCompletionRequest) -> bool:
-    """Whether the output is read for tool calls (tools given and tool_choice not ``none``)."""
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """For ``tool_choice`` required or a named function: a structural tag that admits only valid calls
-    (each call's arguments follow its function's parameters schema)."""
+def tool_constraint(
+    body: ChatCompletionRequest, fmt: str = "deepseek_v3_1", reasoning: bool = False, auto: bool = False
+) -> StructuredOutputsParams | None:
+    """For ``tool_choice`` required or a named function: a structural tag, in xgrammar's ``fmt`` (a model
+    name), that admits only valid calls (each call's arguments follow its function's parameters schema);
+    with ``auto``, one for ``tool_choice`` auto too (free text, but a call once begun is held to them).
+    ``reasoning``: the output starts with reasoning that ``</think>`` ends."""
     choice = body.tool_choice
-    if not body.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if not body.tools or not (forced or (auto and choice in (None, "auto"))):
         return None
     tools: list[Any] = [t.model_dump(exclude_none=True) for t in body.tools]
     for t in tools:
         t["function"].setdefault("parameters", {"type": "object"})
-    named: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
+    named: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice or "auto"
     import xgrammar as xgr  # here: see engine/sample/structured_outputs.py on why (imported on first use)
 
     tag = xgr.get_model_structural_tag(
-        "deepseek_v3_1",
+        fmt,
         tools=tools,
         tool_choice=named,
-        reasoning="disabled",
+        reasoning="enabled" if reasoning else "disabled",
         parallel_tool_calls=body.parallel_tool_calls,
         max_whitespace_cnt=MAX_JSON_WHITESPACE,
     )
     return StructuredOutputsParams(structural_tag=tag.model_dump_json())
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -82,9 +82,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCallOut]]:
     if start < 0:
         return text, []
     calls = [_call(name, args) for name, args in _CALL.findall(text, start)]
-    if not calls:
-        return text, []
-    out = [ToolCallOut(id=_call_id(), function=FunctionCallOut(name=n, arguments=a)) for n, a in calls]
+    if not calls:  # calls begun but none completed (cut off): no markup in the content
+        return text[:start] or None, []
+    out = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=n, arguments=a)) for n, a in calls]
     return text[:start] or None, out
 
 
@@ -98,6 +98,10 @@ class StreamingToolParser:
     num_calls: int = 0
     calls: list[ToolCallOut] = field(default_factory=list)
 
+    @property
+    def completed(self) -> list[ToolCallOut]:
+        return self.calls
+
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += delta
         content = ""
@@ -106,21 +110,21 @@ class StreamingToolParser:
             if start >= 0:
                 content, self.buffer, self.in_calls = self.buffer[:start], self.buffer[start:], True
             else:
-                keep = 0 if final else _partial_suffix(self.buffer, TOOL_CALLS_BEGIN)
+                keep = 0 if final else partial_suffix(self.buffer, TOOL_CALLS_BEGIN)
                 content, self.buffer = (
                     self.buffer[: len(self.buffer) - keep],
                     self.buffer[len(self.buffer) - keep :],
                 )
         calls = self._calls() if self.in_calls else []
-        if final and self.in_calls and not self.calls:  # a marker but no well-formed call: plain text
-            content, self.buffer = content + self.buffer, ""
+        if final:  # what is left of the calls is an unfinished one: never content
+            self.buffer = ""
         return content, calls
 
     def _calls(self) -> list[ToolCallDelta]:
         deltas, last = [], 0
         for m in _CALL.finditer(self.buffer):
             name, arguments = _call(m.group(1), m.group(2))
-            call = ToolCallOut(id=_call_id(), function=FunctionCallOut(name=name, arguments=arguments))
+            call = ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=name, arguments=arguments))
             self.calls.append(call)
             fn = FunctionCallDelta(name=name, arguments=arguments)
             deltas.append(ToolCallDelta(index=self.num_calls, id=call.id, type="function", function=fn))
@@ -130,7 +134,7 @@ class StreamingToolParser:
         return deltas
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -71,3 +71,13 @@ def test_chat_renders_the_template_and_generates(llm: LLM) -> None:
         [conversation, conversation[1:]], params, chat_template="{{ 'X' }}{{ messages[-1]['content'] }}"
     )
     assert two[0].prompt_token_ids == tokenizer.encode("XHello there", add_special_tokens=False)
+
+
+def test_chat_speaks_deepseek_v4_for_a_v4_checkpoint_without_a_template(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None and tokenizer.mode == "deepseek_v4"
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    conversation = [{"role": "user", "content": "Hello there"}]
+    (one,) = llm.chat(conversation, params, chat_template_kwargs={"thinking": False})
+    text = "<｜begin▁of▁sentence｜><｜User｜>Hello there<｜Assistant｜></think>"
+    assert tokenizer.decode(one.prompt_token_ids, skip_special_tokens=False) == text

@@ -370,7 +370,7 @@ def test_tool_call_round_trip_streamed_and_not(client: openai.OpenAI, choice: An
 
 def test_parallel_required_calls_parse_what_completed(client: openai.OpenAI) -> None:
     """Parallel calls: a tiny model may go on calling until max_tokens; the calls it completed are returned,
-    and whatever it wrote is inside the forced format."""
+    and a call cut off never comes back as markup in the content."""
     r = _chat(client, "Weather and time?", tools=[WEATHER, TIME], tool_choice="required", max_tokens=150)
     msg, finish = r.choices[0].message, r.choices[0].finish_reason
     assert all(c.function.name in ("get_weather", "get_time") for c in msg.tool_calls or [])
@@ -378,7 +378,7 @@ def test_parallel_required_calls_parse_what_completed(client: openai.OpenAI) -> 
         assert msg.tool_calls
     else:
         assert finish == "length"
-        assert msg.tool_calls or (msg.content or "").startswith(TOOL_CALLS_BEGIN)
+        assert TOOL_CALLS_BEGIN not in (msg.content or "")
 
 
 def test_tool_choice_auto_and_none_return_text(client: openai.OpenAI) -> None:

@@ -27,7 +27,17 @@ def test_whole_output_parses_both_deepseek_forms() -> None:
     ]
     assert len({c.id for c in calls}) == 2
     assert parse_tool_calls("no calls here") == ("no calls here", [])
-    assert parse_tool_calls(f"text {TOOL_CALLS_BEGIN} broken") == (f"text {TOOL_CALLS_BEGIN} broken", [])
+
+
+def test_calls_cut_off_never_come_back_as_markup() -> None:
+    """An output ended (by max_tokens) inside its calls: the completed ones are returned, the rest dropped."""
+    cut = TEXT[: TEXT.index(f"{TOOL_CALL_BEGIN}function")] + f"{TOOL_CALL_BEGIN}get_ti"
+    content, calls = parse_tool_calls(cut)
+    assert content == "Let me look." and [c.function.name for c in calls] == ["get_weather"]
+    assert parse_tool_calls(f"text {TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}get") == ("text ", [])
+    parser = StreamingToolParser()
+    streamed = [parser.feed(cut[:20]), parser.feed(cut[20:], final=True)]
+    assert "".join(text for text, _ in streamed) == "Let me look."
 
 
 @settings(max_examples=40, deadline=None)
