@@ -43,6 +43,7 @@ class RouterSettings:
     worker_timeout_s: float = 600.0  # longest silence of a worker mid-request (health checks act sooner)
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
+    health_failures: int = 3  # checks in a row that time out before a slow worker goes down
     max_body_bytes: int = 4 << 20
 
 
@@ -305,7 +306,13 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         pools = [router.prefill, router.decode]
         checker = asyncio.create_task(
-            health_loop(router.client, pools, settings.health_interval_s, settings.health_timeout_s)
+            health_loop(
+                router.client,
+                pools,
+                settings.health_interval_s,
+                settings.health_timeout_s,
+                settings.health_failures,
+            )
         )
         yield
         checker.cancel()

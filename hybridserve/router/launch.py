@@ -25,7 +25,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker checks")
     parser.add_argument(
-        "--health-timeout", type=float, default=2.0, help="a /health slower than this is down"
+        "--health-timeout", type=float, default=2.0, help="a /health slower than this failed its check"
+    )
+    parser.add_argument(
+        "--health-failures",
+        type=int,
+        default=3,
+        help="checks in a row that time out before a slow worker is down (a refused or failed one: at once)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -41,6 +47,7 @@ def run_router(args: argparse.Namespace) -> int:
         worker_timeout_s=args.worker_timeout,
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
+        health_failures=args.health_failures,
         max_body_bytes=args.max_body_bytes,
     )
     app = build_router_app(settings)

@@ -30,6 +30,7 @@ class Worker:
     role: str  # "prefill" or "decode"
     up: bool = True
     in_flight: int = 0
+    slow_checks: int = 0  # health checks in a row that timed out
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def guard(self, work: Awaitable[T]) -> T:
@@ -91,23 +92,29 @@ def mark_up(worker: Worker) -> None:
     worker.up = True
 
 
-async def check(client: httpx.AsyncClient, worker: Worker, timeout_s: float) -> None:
+async def check(client: httpx.AsyncClient, worker: Worker, timeout_s: float, failures: int = 1) -> None:
+    """A worker that refuses the connection or answers anything but 200 goes down at once; one that is
+    only slow goes down after ``failures`` checks in a row time out, so a busy host does not flap."""
     try:
         ok = (await client.get(f"{worker.url}/health", timeout=timeout_s)).status_code == 200
         why = "its /health did not answer 200"
+        worker.slow_checks = 0
+    except httpx.TimeoutException as exc:
+        worker.slow_checks += 1
+        ok, why = worker.slow_checks < failures, f"its /health timed out {worker.slow_checks} times ({exc!r})"
     except httpx.HTTPError as exc:
         ok, why = False, f"its /health failed ({type(exc).__name__})"
-    if ok:
+    if ok and worker.slow_checks == 0:
         mark_up(worker)
-    else:
+    elif not ok:
         mark_down(worker, why)
 
 
 async def health_loop(
-    client: httpx.AsyncClient, pools: list[WorkerPool], interval_s: float, timeout_s: float
+    client: httpx.AsyncClient, pools: list[WorkerPool], interval_s: float, timeout_s: float, failures: int = 1
 ) -> None:
     """Check every worker every ``interval_s``: a hung one goes down, a recovered one comes back."""
     while True:
         workers = [w for p in pools for w in p.workers]
-        await asyncio.gather(*(check(client, w, timeout_s) for w in workers))
+        await asyncio.gather(*(check(client, w, timeout_s, failures) for w in workers))
         await asyncio.sleep(interval_s)

@@ -54,7 +54,7 @@ def _router_process(prefill: list[Server], decode: list[Server]) -> Router:
     """``hybridserve router`` as its users start it."""
     port = free_port()
     cmd = [sys.executable, "-m", "hybridserve.cli", "router", "--port", str(port), "--log-level", "warning"]
-    cmd += ["--health-interval", "0.2", "--health-timeout", "1"]
+    cmd += ["--health-interval", "0.2", "--health-timeout", "1", "--health-failures", "2"]
     for p in prefill:
         cmd += ["--prefill", p.url]
     for d in decode:
@@ -76,7 +76,11 @@ def _router_process(prefill: list[Server], decode: list[Server]) -> Router:
 def _router_thread(prefill: list[Server], decode: list[Server]) -> Router:
     """The same app in a thread of this process (a router holds no model: this saves a process start)."""
     settings = RouterSettings(
-        [p.url for p in prefill], [d.url for d in decode], health_interval_s=0.2, health_timeout_s=1
+        [p.url for p in prefill],
+        [d.url for d in decode],
+        health_interval_s=0.2,
+        health_timeout_s=1,
+        health_failures=2,
     )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_router_app(settings), port=port, log_level="warning"))
