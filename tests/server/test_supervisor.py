@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -146,29 +145,28 @@ def test_past_the_grace_period_requests_end_with_a_503(tiny_checkpoint: Callable
 
 
 def test_tokenising_a_large_prompt_does_not_stall_the_event_loop() -> None:
+    """A large prompt is tokenised in a worker thread while the loop goes on: here the tokenising waits for
+    a coroutine of the loop to run, which it could not do if it held the loop (a machine-speed-free check;
+    the stall itself is measured in benchmarks/loop_stall.py)."""
     tokenizer = Tokenizer(Path(__file__).parents[2] / "hybridserve" / "assets" / "austen-v4")
     text = ("It is a truth universally acknowledged, that a single man " * 20_000)[: 1 << 20]
+    loop_ran = threading.Event()
 
-    async def main() -> tuple[float, int]:
-        gaps: list[float] = []
-        done = False
+    def encode() -> list[int]:
+        assert loop_ran.wait(timeout=30), "the event loop did not run while the prompt was tokenised"
+        return tokenizer.encode(text)
 
-        async def tick() -> None:
-            last = time.perf_counter()
-            while not done:
-                await asyncio.sleep(0.002)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
+    async def main() -> tuple[list[int], str]:
+        async def beside() -> str:
+            loop_ran.set()
+            return threading.current_thread().name
 
-        ticker = asyncio.create_task(tick())
-        ids = await off_loop(len(text), partial(tokenizer.encode, text))
-        done = True
-        await ticker
-        return max(gaps), len(ids)
+        work = asyncio.ensure_future(off_loop(len(text), encode))
+        name = await beside()
+        return await work, name
 
-    worst, n = asyncio.run(main())
-    assert n > 100_000 and worst < 0.1, worst
+    ids, loop_thread = asyncio.run(main())
+    assert len(ids) > 100_000 and loop_thread == threading.main_thread().name
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +185,17 @@ def test_a_4mib_prompt_is_refused_fast_and_others_stay_responsive(big_body_serve
     ).encode()
     latencies: list[float] = []
     results: list[httpx.Response] = []
+    sent: list[float] = []
 
     def send() -> None:
         headers = {"content-type": "application/json"}
+        start = time.perf_counter()
         results.append(httpx.post(f"{s.url}/v1/completions", content=huge, headers=headers, timeout=60))
         results.append(httpx.post(f"{s.url}/v1/chat/completions", content=chat, headers=headers, timeout=60))
+        sent.append(time.perf_counter() - start)
 
     sender = threading.Thread(target=send)
-    with httpx.Client(timeout=5) as probe:  # one client: a new one per call costs ~40 ms by itself
+    with httpx.Client(timeout=60) as probe:  # one client: a new one per call costs ~40 ms by itself
         sender.start()
         while sender.is_alive():
             t0 = time.perf_counter()
@@ -203,9 +204,10 @@ def test_a_4mib_prompt_is_refused_fast_and_others_stay_responsive(big_body_serve
     sender.join()
     for r in results:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-    # A loop blocked by encoding or tokenising 4 MiB stalls for seconds; 0.5 s leaves room for a loaded CI
-    # machine (0.15 s measured under load 2, ~2 ms quiet).
-    assert max(latencies) < 0.5, latencies
+    # Measured against the same run's own work, not a fixed time: a loop that read, parsed or tokenised the
+    # bodies itself would hold a probe for about as long as the requests took; off the loop a probe waits
+    # a small part of it, on a quiet machine or a loaded one.
+    assert len(latencies) >= 3 and max(latencies) < sent[0] / 2, (latencies, sent)
 
 
 def test_special_token_text_in_chat_content_is_plain_text(big_body_server: Server) -> None:
