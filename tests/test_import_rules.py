@@ -2,8 +2,9 @@
 
 From the bottom: distributed/ (process groups, step sync, expert dispatch) and cache/ (the cache plan
 and its memory) know nothing above them; layers/ knows no model; models/ knows no engine; the engine
-reaches models through the registry; server/ and router/ see only the engine's front; bench/ talks
-HTTP; nothing that serves imports train/. And no two modules import each other, directly or not.
+reaches models only through the registry and the model interface; server/ and router/ see only the
+engine's front; bench/ talks HTTP; nothing that serves imports train/. And no two modules import each
+other, directly or not.
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ def test_no_package_imports_above_itself(package: str, path: Path) -> None:
         if any(within(m, f"hybridserve.{up}") for up in FORBIDDEN[package])
     ]
     assert not bad, f"{package}/{path.name} imports what {package}/ must not know: {bad}"
+
+
+# What the engine may import of models/: the model interface and the registry that hands models out.
+MODEL_FRONT = ("hybridserve.models.interface", "hybridserve.models.registry")
+
+
+@pytest.mark.parametrize("path", source_files("engine"), ids=lambda p: p.name)
+def test_the_engine_reaches_models_only_through_the_registry(path: Path) -> None:
+    named = [
+        (line, m)
+        for line, m in imported_modules(path)
+        if within(m, "hybridserve.models") and not any(within(m, front) for front in MODEL_FRONT)
+    ]
+    assert not named, f"engine/{path.name} names a model (use models.registry / models.interface): {named}"
 
 
 @pytest.mark.parametrize("path", source_files("server") + source_files("router"), ids=lambda p: p.name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -171,10 +171,10 @@ def mhc_tail(
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)
 
 
-def warm_compiled_tail(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Compile the model's mHC tail now (one graph serves every token count), not in its first step.
-    -> whether there was one to compile."""
-    hc = next((m for m in model.modules() if isinstance(m, HyperConnection)), None)
+def warm_compiled_tail(modules: Iterable[nn.Module], device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile the mHC tail of a model (``modules``: its ``modules()``) now (one graph serves every token
+    count), not in its first step. -> whether there was one to compile."""
+    hc = next((m for m in modules if isinstance(m, HyperConnection)), None)
     if not _compile_enabled or hc is None or hc.hc < 2:
         return False
     with torch.inference_mode():  # the real forward under the runner's mode: a step's strides, flags

@@ -18,7 +18,7 @@ bit-equal; tests/distributed measure the logits of 2 and 3 ranks (<= 3e-6 on the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +109,9 @@ def weight_bytes_per_rank(model: nn.Module, world_size: int) -> list[int]:
     return [replicated + per_expert * (end - start) for start, end in ranges]
 
 
-def parallel_experts(model: nn.Module) -> list[ParallelExperts]:
-    return [m for m in model.modules() if isinstance(m, ParallelExperts)]
+def parallel_experts(modules: Iterable[nn.Module]) -> list[ParallelExperts]:
+    """The parallel experts among ``modules`` (a model's ``modules()``)."""
+    return [m for m in modules if isinstance(m, ParallelExperts)]
 
 
 def run_dummy_moe(layers: nn.ModuleList, hidden: int, device: torch.device, dtype: torch.dtype) -> None:

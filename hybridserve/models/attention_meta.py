@@ -11,10 +11,11 @@ a decode step gets Q = 1, which is the per-query form.
 
 A mixed step reads its one-token requests (decodes) apart, as a decode step does (Q = 1), and gives its
 query blocks to the others' chunks (``AttentionMeta.split``): a decode padded to a block of Q would read
-Q + W - 1 window rows for one query. A compiled step (``MetaShapes``) always comes in that form, so that
-one graph serves steps with and without decodes: where it has fewer than two decodes, filler entries
-repeat its first main token's reads (the attention writes the decodes' outputs first and the main
-group's over them).
+Q + W - 1 window rows for one query. A compiled step (``interface.MetaShapes``: padded windows, the query
+rows always as an index) always comes in that form, so that one graph serves steps with and without
+decodes: where it has fewer than two decodes, filler entries (up to ``MIN_DECODE_ROWS``) repeat its
+first main token's reads (the attention writes the decodes' outputs first and the main group's over
+them).
 
 Every shape follows from the batch's host-side layout (Python ints), never from reading a device
 tensor. With ``BatchLayout.pad_windows`` a decode batch of R requests always gets the same shapes but
@@ -29,6 +30,7 @@ import torch
 
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.rope import Rotary
+from hybridserve.models.interface import MetaShapes
 
 WINDOW_KV = "swa_kv"
 CSA_STATE = "csa_state"
@@ -85,22 +87,6 @@ class QueryBlocks:
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.token_rows is None else x.index_select(0, self.token_rows)
-
-
-@dataclass(frozen=True)
-class MetaShapes:
-    """Metadata shaped for a graph compiled with dynamic sizes (``engine/worker/prefill_graphs.py``), so
-    that one graph serves every step: no shortcut that changes the structure (the identity query rows, a
-    branch that completes no window) and no dim whose size could be 0 or 1, which dynamo would specialise.
-
-    Query blocks are picked among ``block_sizes`` (all >= 2), the padded query rows always come as an
-    index, and each compressed branch reads ``rows[branch]`` rows (padded past what any query sees; the
-    padding is never visible). Windows are padded too (``BatchLayout.pad_windows``), and the step always
-    reads its decodes apart (``AttentionMeta.split``, filler up to ``MIN_DECODE_ROWS`` entries).
-    """
-
-    block_sizes: tuple[int, ...]
-    rows: dict[str, int]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.attention import sink_attention
-from hybridserve.layers.forward_batch import ForwardBatch
+from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch
 from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
 from hybridserve.layers.gather import gather_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
@@ -33,14 +33,14 @@ from hybridserve.models.attention_meta import (
     WINDOW_KV,
     AttentionMeta,
     CompressedMeta,
-    MetaShapes,
     QueryBlocks,
     build_meta,
     decode_meta,
+    visible_rows,
 )
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from hybridserve.models.interface import CacheTensors, MetaShapes, ModelInfo, RowReads
 
-CacheTensors = dict[tuple[str, str, str], torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor]
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -323,7 +323,7 @@ class MTPLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    """The whole model; ``forward`` returns the pre-head residual streams [T, hc, D]."""
+    """The whole model (a ``PagedModel``); ``forward`` returns the pre-head residual streams [T, hc, D]."""
 
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -338,6 +338,13 @@ class DeepseekV4Model(nn.Module):
         self.head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = nn.ModuleList(MTPLayer(cfg, f"mtp.{i}") for i in range(cfg.num_nextn_predict_layers))
         self._rotary: dict[str, Rotary] = {}
+        self.info = model_info(cfg)
+        # (branch, tokens per row, indexer top-k) of each compressed branch some layer reads
+        self._branches = tuple(
+            (name, cfg.compress_rates[kind], topk)
+            for name, kind, topk in (("csa", CSA, cfg.index_topk), ("hca", HCA, 0))
+            if kind in cfg.layer_types
+        )
 
     def cache_specs(self, include_mtp: bool = False, kv_cache_dtype: str = "auto") -> list[CacheGroupSpec]:
         return cache_specs(self.cfg, self.dtype, include_mtp, kv_cache_dtype)
@@ -350,6 +357,10 @@ class DeepseekV4Model(nn.Module):
 
     def compress_rates(self) -> dict[str, int]:
         return {"csa": self.cfg.compress_rates.get(CSA, 0), "hca": self.cfg.compress_rates.get(HCA, 0)}
+
+    def row_reads(self, layout: BatchLayout) -> dict[str, RowReads]:
+        """Per compressed branch: the rows a step of ``layout`` sees, its rate and the CSA indexer's top-k."""
+        return {name: RowReads(visible_rows(layout, m), m, k) for name, m, k in self._branches}
 
     def attention_meta(self, batch: ForwardBatch, shapes: MetaShapes | None = None) -> AttentionMeta:
         """The step's metadata from its host layout; ``shapes``: the uniform form of a compiled step."""
@@ -472,6 +483,22 @@ class DeepseekV4Model(nn.Module):
         for p in self.parameters():
             if not getattr(p, "keep_fp32", False) and not getattr(p, "quantized", False):
                 p.data = p.data.to(dtype)
+
+
+def model_info(cfg: DeepseekV4Config) -> ModelInfo:
+    return ModelInfo(
+        name="deepseek_v4",
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        hidden_size=cfg.hidden_size,
+        eos_token_ids=cfg.eos_token_ids,
+        stream_shape=(cfg.hc_mult, cfg.hidden_size),
+        num_draft_layers=cfg.num_nextn_predict_layers,
+        draft_group=MTP_KV,
+        compiled_steps=True,
+        kv_cache_dtypes=KV_CACHE_DTYPES,
+        expert_parallel=True,
+    )
 
 
 def _fill_key(name: str, expert: int | None, which: str | None) -> str:

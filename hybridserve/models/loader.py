@@ -1,4 +1,4 @@
-"""Hugging Face folder -> model with weights (safetensors; FP8/FP4 weights stay quantized, or are
+"""Hugging Face folder -> DeepSeek-V4 model with weights (safetensors; FP8/FP4 weights stay quantized, or are
 dequantised at load with ``keep_quantized=False``)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tqdm import tqdm
 from hybridserve.layers.quantized_linear import QuantLinear
 from hybridserve.layers.weight_layout import input_major_
 from hybridserve.models.deepseek_v4 import DeepseekV4Model, checkpoint_to_param
+from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.quant import (
     QuantizedModule,
     QuantizedTensor,
@@ -29,7 +30,6 @@ from hybridserve.models.quant import (
     scale_name,
     scale_of,
 )
-from hybridserve.models.registry import resolve
 
 _PROGRESS_MIN_BYTES = 256 << 20
 
@@ -104,20 +104,21 @@ def build_meta_model(
     return model
 
 
-def _meta_model(folder: str | Path, shard: ModelShard | None) -> tuple[DeepseekV4Model, Any]:
+def _meta_model(folder: str | Path, shard: ModelShard | None) -> tuple[DeepseekV4Model, DeepseekV4Config]:
     raw = read_config(folder)
     try:
         check_quantization_config(raw)
     except ValueError as exc:
         raise CheckpointError(f"{folder}: {exc}") from None
-    config_cls, model_cls = resolve(raw.get("model_type"))
-    cfg = config_cls.from_dict(raw)
+    if raw.get("model_type") != "deepseek_v4":
+        raise CheckpointError(f"{folder}: model_type {raw.get('model_type')!r} is not deepseek_v4")
+    cfg = DeepseekV4Config.from_dict(raw)
     mtp_layers = _mtp_layers_present(Path(folder))
     if mtp_layers < cfg.num_nextn_predict_layers:
         # Checkpoints saved by transformers drop the MTP tensors: serve without a draft head.
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=mtp_layers)
     with torch.device("meta"):
-        model = model_cls(cfg)
+        model = DeepseekV4Model(cfg)
         if shard is not None:
             shard.apply(model)
     return model, cfg

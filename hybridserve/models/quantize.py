@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridserve.layers.quantized_weight import FP4, FP8, FP8_BLOCK, quantize_fp4, quantize_fp8
-from hybridserve.models.deepseek_v4 import checkpoint_to_param
+from hybridserve.models.deepseek_v4 import DeepseekV4Model, checkpoint_to_param
+from hybridserve.models.deepseek_v4_config import DeepseekV4Config
 from hybridserve.models.loader import CheckpointError, read_config
 from hybridserve.models.quant import scale_name
-from hybridserve.models.registry import resolve
 
 MODES = ("fp8", "fp4-experts")
 _FULL_PRECISION = ("compressor.wkv", "compressor.wgate", "weights_proj")
@@ -47,9 +47,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, weights: str) -> Quant
         raise CheckpointError(f"{src}: already quantized ({raw['quantization_config']})")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out}: exists and is not empty (choose a new folder)")
-    config_cls, model_cls = resolve(raw.get("model_type"))
     with torch.device("meta"):
-        model = model_cls(config_cls.from_dict(raw))
+        model = DeepseekV4Model(DeepseekV4Config.from_dict(raw))
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):

@@ -46,7 +46,7 @@ def _rank_forward(rank: int, world_size: int, port: int, folder: Path) -> dict[s
     model = ep.model
     for _ in range(steps - len(chunks)):
         run_dummy_moe(model.layers, model.cfg.hidden_size, torch.device("cpu"), model.dtype)
-    held = sum(e.gate_up.shape[0] for e in parallel_experts(model)) // len(model.layers)
+    held = sum(e.gate_up.shape[0] for e in parallel_experts(model.modules())) // len(model.layers)
     tensors = list(model.parameters()) + list(model.buffers())
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     planned = weight_bytes_per_rank(build_meta_model(folder, torch.float32), world_size)[rank]

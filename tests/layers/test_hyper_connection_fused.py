@@ -257,9 +257,9 @@ def test_warm_up_compiles_before_the_first_step() -> None:
     step, at another token count, compiles nothing more."""
     model = torch.nn.Sequential(_random_hc(4))
     mhc.set_compile(False)
-    assert not mhc.warm_compiled_tail(model, torch.device("cpu"), torch.float32)
+    assert not mhc.warm_compiled_tail(model.modules(), torch.device("cpu"), torch.float32)
     mhc.set_compile(True)
-    assert mhc.warm_compiled_tail(model, torch.device("cpu"), torch.float32)
+    assert mhc.warm_compiled_tail(model.modules(), torch.device("cpu"), torch.float32)
     graphs = counters["stats"]["unique_graphs"]
     streams = _run(_streams, 29, 4, torch.float32)  # made like a step's: an inference tensor
     _assert_equal(_run(model[0], streams), _run(reference_hc, model[0], streams))

@@ -33,7 +33,7 @@ from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
 from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
 from hybridserve.layers.parallel_experts import ExpertShard, parallel_experts, run_dummy_moe
-from hybridserve.models.loader import load_model, read_config
+from hybridserve.models.registry import load_model, read_config
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -57,7 +57,8 @@ class EngineCore:
             config.native_fp8_matmul,
             shard=shard,
         )
-        self.parallel_experts = parallel_experts(self.model)  # found once: snapshots read them every step
+        # found once: snapshots read them every step
+        self.parallel_experts = parallel_experts(self.model.modules())
         self.plan = plan_cache(config, self.model, self.device)
         self.plan.check_usable()
         self.pools = BlockPoolSet(self.plan, self.device)
@@ -67,12 +68,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
         )
-        self.max_model_len = config.max_model_len or self.model.cfg.max_position_embeddings
-        self.limits = RequestLimits(
-            self.model.cfg.vocab_size, self.max_model_len, self.plan.max_request_tokens()
-        )
-        self.eos_token_ids = _eos_token_ids(Path(config.model), self.model.cfg.eos_token_ids)
-        self.structured = StructuredOutputs(config.model, self.model.cfg.vocab_size, self.eos_token_ids)
+        info = self.model.info
+        self.max_model_len = config.max_model_len or info.max_position_embeddings
+        self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
+        self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
+        self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
         self.runner = self._build_runner()
         self.spec = self._build_spec_decoder()
         self.requests: dict[str, Request] = {}
@@ -106,7 +106,7 @@ class EngineCore:
         speculative = self.config.speculative is not None
         # Speculative steps that verify drafts take the prefill graph, and without --compile-decode the
         # CUDA graphs of the others are not worth their capture: a speculative engine drafts most steps.
-        graphs = accelerate and (compiled or (cuda and not speculative))
+        graphs = accelerate and self.model.info.compiled_steps and (compiled or (cuda and not speculative))
         return ModelRunner(
             self.model,
             self.pools,
@@ -156,11 +156,11 @@ class EngineCore:
         return parts
 
     def _warm_tail(self) -> str | None:
-        return "" if warm_compiled_tail(self.model, self.device, self.dtype) else None
+        return "" if warm_compiled_tail(self.model.modules(), self.device, self.dtype) else None
 
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
-        run_dummy_moe(self.model.layers, self.model.cfg.hidden_size, self.device, self.dtype)
+        run_dummy_moe(self.model.layers, self.model.info.hidden_size, self.device, self.dtype)
 
     def _build_spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative

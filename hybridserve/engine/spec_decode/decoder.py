@@ -7,17 +7,18 @@ window row, compressor input, compressed row or indexer key built from a rejecte
 (each is rewritten by the forward that next computes its position, before anything reads it).
 
 Then the MTP layer's window KV is written at every position the step verified, drafting or not: row t
-of the draft group ``mtp_kv`` comes from the trunk's streams at t and the token t+1. Positions no draft
-starts from write only that row (no attention, MoE or head); a drafting request's last k + 1 verified
-positions run the whole layer, and its output at the last one gives draft 1. For k > 1 the same layer
-runs again on its own output and draft, one position further, so drafts j >= 2 write speculative MTP
-rows past the verified end, which the next step rewrites. Published (prefix-cached) blocks hold verified
-rows only.
+of the draft group (``ModelInfo.draft_group``) comes from the trunk's streams at t and the token t+1.
+Positions no draft starts from write only that row (no attention, MoE or head); a drafting request's
+last k + 1 verified positions run the whole layer, and its output at the last one gives draft 1. For
+k > 1 the same layer runs again on its own output and draft, one position further, so drafts j >= 2
+write speculative MTP rows past the verified end, which the next step rewrites. Published
+(prefix-cached) blocks hold verified rows only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,8 +31,7 @@ from hybridserve.engine.spec_decode.control import DraftController
 from hybridserve.engine.worker.batch import block_table_tensors
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.models.attention_meta import MTP_KV
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import PagedModel
 
 
 @dataclass
@@ -58,7 +58,7 @@ class SpecDecoder:
 
     def __init__(
         self,
-        model: DeepseekV4Model,
+        model: PagedModel[Any],
         pools: BlockPoolSet,
         coordinator: KvCacheCoordinator,
         runner: ModelRunner,
@@ -67,9 +67,11 @@ class SpecDecoder:
         control: DraftController | None = None,
     ) -> None:
         """``runner``: its sampler and its forward (graphs, ``steps_by_path``)."""
-        assert len(model.mtp) > 0, "MTP speculative decoding needs a checkpoint with MTP weights"
+        group = model.info.draft_group
+        assert model.info.num_draft_layers > 0 and group is not None, "refused at start-up (check_features)"
         self.model, self.cache, self.coordinator, self.device = model, pools.tensors(), coordinator, device
         self.runner = runner
+        self.draft_group: str = group
         self.k = num_speculative_tokens
         self.control = control or DraftController(num_speculative_tokens, adaptive=False)
         self.rejection = RejectionSampler(runner.sampler)
@@ -176,7 +178,8 @@ class SpecDecoder:
             req_rows += [r] * (end - start)
         host = host_tensor(ids + positions + req_rows + ends).to(self.device)
         input_ids, pos, rows, seq_ends = host.split([len(ids)] * 3 + [len(ends)])
-        tables = [{MTP_KV: self.coordinator.block_tables(r.request_id)[MTP_KV]} for r in requests]
+        group = self.draft_group
+        tables = [{group: self.coordinator.block_tables(r.request_id)[group]} for r in requests]
         return ForwardBatch(
             input_ids=input_ids,
             positions=pos,

@@ -7,20 +7,23 @@ an engine started with the same flags allocates (every data-parallel rank builds
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.spec import CacheGroupSpec
 from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
+from hybridserve.engine.worker.model_features import check_features
 from hybridserve.layers.fp8_rows import fp8_supported
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import PagedModel
 
 log = logging.getLogger("hybridserve.engine")
 
 
-def plan_cache(config: EngineConfig, model: DeepseekV4Model, device: torch.device | None) -> CachePlan:
-    """Size every cache group of ``model`` (loaded, or built on the meta device) from ``config``.
+def plan_cache(config: EngineConfig, model: PagedModel[Any], device: torch.device | None) -> CachePlan:
+    """Size every cache group of ``model`` (loaded, or built on the meta device) from ``config``, once the
+    model is known to support every feature ``config`` asks for (``check_features``).
 
     ``device``: where the pools will live, checked for FP8 storage (None: not checked).
     """
@@ -30,13 +33,10 @@ def plan_cache(config: EngineConfig, model: DeepseekV4Model, device: torch.devic
             "with --kv-cache-dtype auto, which keeps the cache in the model dtype (about twice the bytes "
             "per token)"
         )
-    spec = config.speculative
-    if spec is not None and not model.mtp:
-        raise ValueError(
-            f"speculative_config method {spec.method!r} needs MTP weights (mtp.0.*), and "
-            f"{config.model} has none; serve it without --speculative-config"
-        )
-    specs = model.cache_specs(include_mtp=spec is not None, kv_cache_dtype=config.kv_cache_dtype)
+    check_features(config, model.info)
+    specs = model.cache_specs(
+        include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
+    )
     return build_cache_plan(config, specs)
 
 

@@ -4,11 +4,11 @@ A pure-decode step (every request computes one token) of R requests is padded to
 (1, 2, 4, ..., max_num_seqs) with dummy requests: position 0, every block-table entry the null block,
 token id 0. The step copies only its token ids, positions and block tables (padded to a power-of-two
 width) into the persistent buffers of its shape key (B, N per compressed branch, table width); each
-branch's row reads are padded to a bucketed row count N (powers of two, at most ``max_model_len // m``).
-The attention metadata is built from those buffers inside the step (``DeepseekV4Model.decode_meta``:
-one compressed-window entry per request and branch, no host layout), then the forward, the logits of
-all B rows and the re-zeroing of the null blocks run: as one captured ``torch.cuda.CUDAGraph`` per key
-on CUDA, eagerly (or compiled) elsewhere.
+branch's row reads (``PagedModel.row_reads``) are padded to a bucketed row count N (powers of two, at
+most ``max_model_len // m``). The attention metadata is built from those buffers inside the step
+(``PagedModel.decode_meta``; DeepSeek-V4: one compressed-window entry per request and branch, no host
+layout), then the forward, the logits of all B rows and the re-zeroing of the null blocks run: as one
+captured ``torch.cuda.CUDAGraph`` per key on CUDA, eagerly (or compiled) elsewhere.
 
 Dummy rows write their own token's inputs into row 0 of the null block of every per-token group (and
 the window-padding entries then pool them into the null row of the compressed groups). Nothing reads
@@ -23,7 +23,7 @@ graph serves batch 1 and one every other bucket, at every context; once a key's 
 same inputs twice, the key calls it directly, without dynamo (``engine/worker/graph_calls.py``). On CPU the
 routed experts run inside the graph as the opaque ``hybridserve::grouped_experts`` op (``layers/moe.py``),
 the eager grouped path's own ops, except where a batch of few tokens runs every expert in two GEMMs
-(``DeepseekV4Model.prepare_compiled_decode``: small fp32 experts, E <= 4k; its batch-size guard splits the
+(``PagedModel.prepare_compiled_decode``: small fp32 experts, E <= 4k; its batch-size guard splits the
 dynamic graph in two, both compiled by :meth:`warmup`). The cache writes are ``index_put_`` (which
 inductor keeps in place; an ``index_copy_`` into a graph input becomes a copy of the whole pool tensor),
 and the null-block zeroing runs eagerly after the graph for the same reason.
@@ -51,8 +51,7 @@ from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.worker.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, visible_rows
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import PagedModel, RowReads
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +87,11 @@ def table_width(width: int) -> int:
 @dataclass
 class StaticDecode:
     """The persistent buffers (and, on CUDA, the graph) of one shape key. The step's metadata is built
-    from them inside the step (``DeepseekV4Model.decode_meta``), so a step copies in only its token ids,
+    from them inside the step (``PagedModel.decode_meta``), so a step copies in only its token ids,
     positions and block tables."""
 
     batch: ForwardBatch  # [B] ids, positions, ends; [B, width] block tables; no host layout
-    rows: dict[str, torch.Tensor]  # "csa" / "hca": arange(N) of the branch's row reads
+    rows: dict[str, torch.Tensor]  # per compressed branch: arange(N) of its row reads
     logits: torch.Tensor | None = None  # [B, V], written by every run
     streams: torch.Tensor | None = None  # [B, hc, D] pre-head streams, written by every run if kept
     graph: torch.cuda.CUDAGraph | None = None
@@ -122,7 +121,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: DeepseekV4Model,
+        model: PagedModel[Any],
         pools: BlockPoolSet,
         coordinator: KvCacheCoordinator,
         device: torch.device,
@@ -149,7 +148,7 @@ class DecodeGraphRunner:
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
         for rotary in model.rotary().values():  # the step looks positions up in tables that never grow
             rotary.reserve(max_model_len + 1)
-        self.entries: dict[tuple[int, int, int, int], StaticDecode] = {}
+        self.entries: dict[tuple[int, ...], StaticDecode] = {}  # (B, N per branch..., table width)
         self._last: StaticDecode | None = None  # the key of the latest step
         self.graph_pool: Any = None
         self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
@@ -193,11 +192,11 @@ class DecodeGraphRunner:
         starts = [s.start for s in scheduled] + [0] * (b - r)
         ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
         layout = BatchLayout(tuple(starts), tuple(p + 1 for p in starts))
-        rows = {name: self._rows(layout, name) for name in ("csa", "hca")}
+        rows = {name: self._rows(reads) for name, reads in self.model.row_reads(layout).items()}
         tables = self._tables(scheduled, b)
         # Compiled graphs take no inference tensors: the persistent buffers are normal ones.
         with torch.inference_mode(False), torch.no_grad():
-            entry = self._entry((b, rows["csa"], rows["hca"], tables.shape[-1]))
+            entry = self._entry((b, *rows.values(), tables.shape[-1]), rows)
             static = entry.batch
             host = host_tensor(ids + starts + [p + 1 for p in starts]).view(3, b)
             for dst, src in zip((static.input_ids, static.positions, static.seq_ends), host, strict=True):
@@ -219,17 +218,14 @@ class DecodeGraphRunner:
         assert self._last is not None and self._last.streams is not None, "built without keep_streams"
         return logits, self._last.streams[: len(scheduled)]
 
-    def _rows(self, layout: BatchLayout, branch: str) -> int:
-        """The padded row count N of a compressed branch (0: the model has none)."""
-        rate = self.model.compress_rates()[branch]
-        if not rate or {"csa": CSA_ROWS, "hca": HCA_ROWS}[branch] not in self.group_names:
-            return 0
+    def _rows(self, reads: RowReads) -> int:
+        """The padded row count N of a compressed branch."""
         if not self.pad_rows:
-            return visible_rows(layout, rate)
-        most = self.max_model_len // rate
-        topk = self.model.cfg.index_topk
-        least = least_indexed_rows(topk) if branch == "csa" and self.compiled is not None else MIN_ROW_BUCKET
-        return row_bucket(visible_rows(layout, rate), most, least)
+            return reads.visible
+        most = self.max_model_len // reads.tokens_per_row
+        indexed = reads.indexed and self.compiled is not None
+        least = least_indexed_rows(reads.indexed) if indexed else MIN_ROW_BUCKET
+        return row_bucket(reads.visible, most, least)
 
     def _tables(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
         """Every group's [B, width] table (host, [G, B, width]); dummy rows and padding null."""
@@ -242,14 +238,14 @@ class DecodeGraphRunner:
             flat += [NULL_BLOCK] * (width * (b - len(tables)))
         return host_tensor(flat).view(len(self.group_names), b, width)
 
-    def _entry(self, key: tuple[int, int, int, int]) -> StaticDecode:
+    def _entry(self, key: tuple[int, ...], rows: dict[str, int]) -> StaticDecode:
         if key not in self.entries:
-            self.entries[key] = self._new_entry(*key)
+            self.entries[key] = self._new_entry(key[0], rows, key[-1])
             if self.compiled is not None:
                 self.entries[key].mark_dynamic()
         return self.entries[key]
 
-    def _new_entry(self, b: int, n_csa: int, n_hca: int, width: int) -> StaticDecode:
+    def _new_entry(self, b: int, rows: dict[str, int], width: int) -> StaticDecode:
         """Contiguous buffers of one key (strides follow from the shapes, so stride guards always hold)."""
         dev = self.device
 
@@ -266,12 +262,11 @@ class DecodeGraphRunner:
             block_tokens=self.coordinator.block_tokens,
             logits_indices=req,
         )
-        rows = {"csa": torch.arange(n_csa, device=dev), "hca": torch.arange(n_hca, device=dev)}
+        row_ids = {name: torch.arange(n, device=dev) for name, n in rows.items()}
         streams = None
         if self.keep_streams:
-            cfg, dtype = self.model.cfg, self.model.embed_tokens.weight.dtype
-            streams = torch.zeros(b, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
-        return StaticDecode(batch, rows, streams=streams)
+            streams = torch.zeros(b, *self.model.info.stream_shape, dtype=self.model.dtype, device=dev)
+        return StaticDecode(batch, row_ids, streams=streams)
 
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
@@ -319,8 +314,9 @@ class DecodeGraphRunner:
         if self.compiled is not None and not entry.calls:
             log.warning("dynamo compiled no graph for a decode step (its recompile limit?); it runs eagerly")
         elif self.compiled is not None:
-            b, n_csa, n_hca = entry.batch.input_ids.shape[0], len(entry.rows["csa"]), len(entry.rows["hca"])
-            log.info("decode step batch %d (csa %d, hca %d rows) compiled: %.1f s", b, n_csa, n_hca, seconds)
+            rows = ", ".join(f"{name} {len(r)}" for name, r in entry.rows.items()) or "no compressed"
+            b = entry.batch.input_ids.shape[0]
+            log.info("decode step batch %d (%s rows) compiled: %.1f s", b, rows, seconds)
         return logits
 
     def _logits(self, entry: StaticDecode) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -15,13 +16,13 @@ from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import PagedModel
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: DeepseekV4Model,
+        model: PagedModel[Any],
         pools: BlockPoolSet,
         coordinator: KvCacheCoordinator,
         sampler: Sampler,
@@ -47,7 +48,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.steps_by_path: Counter[str] = Counter()  # see ``execute``
-        max_len = max_model_len or model.cfg.max_position_embeddings
+        max_len = max_model_len or model.info.max_position_embeddings
         if compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
         if decode_graphs:

@@ -4,10 +4,10 @@ A step that is not a pure decode (prompt chunks, alone or beside decoding reques
 vary on many dims at once: tokens, requests, query blocks and their size, the compressed rows each block
 reads and the windows the step completes. vLLM compiles its model once for a symbolic token count; here
 the metadata varies too, so the step's metadata is built on the host in one uniform form
-(``attention_meta.MetaShapes``: padded windows, the query rows always as an index, query blocks of 2 or
-more, bucketed row reads; block tables of at least 2 rows and a power-of-two width), and the forward runs
-through ``torch.compile(dynamic=True)``: every size is a symbol, the block size included, so one graph
-serves every such step.
+(``interface.MetaShapes``, DeepSeek-V4's: padded windows, the query rows always as an index, query
+blocks of 2 or more, bucketed row reads; block tables of at least 2 rows and a power-of-two width), and
+the forward runs through ``torch.compile(dynamic=True)``: every size is a symbol, the block size
+included, so one graph serves every such step.
 
 :meth:`PrefillGraphRunner.warmup` compiles that graph at start-up, on steps of dummy requests whose block
 tables are all the null block (their writes land there and are zeroed after). Dynamo specialises what
@@ -15,11 +15,11 @@ the first trace happened to see equal, so the warm-up runs steps of unrelated si
 without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
 graph's guards refuse (a dim of size 1, an attention chunking the graph did not trace) runs eagerly on
 the same metadata rather than stopping to compile. Every step's metadata reads its one-token requests
-apart from the others' chunks (``AttentionMeta.split``; a step without two decodes gets filler entries),
-so steps with and without decodes share the graph. One-token steps take the plain eager path. Where a
-compiled step of few tokens runs every routed expert (``prepare_all_experts``, with --compile-decode),
-that guard splits the graph in two, and the warm-up also runs steps of few tokens to compile the other
-side. ``steps`` counts the compiled and the eager runs of the graph's steps.
+apart from the others' chunks (DeepSeek-V4's ``AttentionMeta.split``; a step without two decodes gets
+filler entries), so steps with and without decodes share the graph. One-token steps take the plain
+eager path. Where a compiled step of few tokens runs every routed expert (``prepare_all_experts``, with
+--compile-decode), that guard splits the graph in two, and the warm-up also runs steps of few tokens to
+compile the other side. ``steps`` counts the compiled and the eager runs of the graph's steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,7 @@ from hybridserve.engine.worker.decode_graphs import (
 from hybridserve.engine.worker.graph_calls import RecordingBackend
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import Experts
-from hybridserve.models.attention_meta import CSA_ROWS, HCA_ROWS, AttentionMeta, MetaShapes, visible_rows
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import MetaShapes, PagedModel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class PrefillGraphRunner:
 
     def __init__(
         self,
-        model: DeepseekV4Model,
+        model: PagedModel[Any],
         pools: BlockPoolSet,
         coordinator: KvCacheCoordinator,
         device: torch.device,
@@ -173,7 +173,7 @@ class PrefillGraphRunner:
         """The most tokens for which a compiled step runs every routed expert (0: never)."""
         return max([0, *(m.all_experts_tokens() for m in self.model.modules() if isinstance(m, Experts))])
 
-    def _forward(self, batch: ForwardBatch, cache: dict, meta: AttentionMeta) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, cache: dict, meta: Any) -> torch.Tensor:
         return self.model(batch, cache, meta)
 
     def _streams(self, batch: ForwardBatch) -> tuple[torch.Tensor, bool]:
@@ -186,24 +186,25 @@ class PrefillGraphRunner:
             log.debug("a %d-token step ran eagerly: the graph's guards refused it", batch.num_tokens)
         return streams, compiled
 
-    def _call(self, batch: ForwardBatch, meta: AttentionMeta) -> tuple[torch.Tensor, bool]:
+    def _call(self, batch: ForwardBatch, meta: Any) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""
         with self.recorder.recording() as calls:
             streams = self.compiled(batch, self.cache, meta)
         return streams, bool(calls)
 
-    def _meta(self, batch: ForwardBatch) -> AttentionMeta:
+    def _meta(self, batch: ForwardBatch) -> Any:
         return self.model.attention_meta(batch, self._shapes(batch.host_layout()))
 
     def _shapes(self, layout: BatchLayout) -> MetaShapes:
         """Query blocks of 2 or more; each compressed branch's reads padded to a bucket past the indexer's
         top-k, so that the graph never sees a branch keep every row (as the decode graphs do)."""
-        rates = self.model.compress_rates()
-        least = {"csa": least_indexed_rows(self.model.cfg.index_topk), "hca": MIN_ROW_BUCKET}
         rows = {
-            branch: row_bucket(visible_rows(layout, rate), self.max_model_len // rate, least[branch])
-            for branch, rate in rates.items()
-            if rate and {"csa": CSA_ROWS, "hca": HCA_ROWS}[branch] in self.group_names
+            branch: row_bucket(
+                r.visible,
+                self.max_model_len // r.tokens_per_row,
+                least_indexed_rows(r.indexed) if r.indexed else MIN_ROW_BUCKET,
+            )
+            for branch, r in self.model.row_reads(layout).items()
         }
         return MetaShapes(BLOCK_SIZES, rows)
 
@@ -223,7 +224,7 @@ class PrefillGraphRunner:
         positions = [p for s, e in spans for p in range(s, e)]
         req = [r for r, (s, e) in enumerate(spans) for _ in range(s, e)]
         ends = [e for _, e in spans]
-        vocab = self.model.cfg.vocab_size
+        vocab = self.model.info.vocab_size
         ids = [3 + p % max(1, vocab - 3) for p in positions]
         host = host_tensor(ids + positions + req + ends).to(self.device)
         t = len(ids)

@@ -3,17 +3,19 @@ a prefill step computes anyway. Requests that ask for them skip the prefix cache
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.request import Logprob, Request
-from hybridserve.models.deepseek_v4 import DeepseekV4Model
+from hybridserve.models.interface import PagedModel
 
 CHUNK_ROWS = 256  # rows turned into full-vocabulary logits at once
 
 
 def gather_prompt_logprobs(
-    model: DeepseekV4Model, scheduled: list[ScheduledRequest], streams: torch.Tensor
+    model: PagedModel[Any], scheduled: list[ScheduledRequest], streams: torch.Tensor
 ) -> None:
     """Append to ``request.prompt_logprobs`` the entries this step's rows give (position p predicts p + 1)."""
     offset = 0
