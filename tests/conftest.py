@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import SPECS, add_random_mtp, make_checkpoint
+from tests.tiny_models import SPECS, add_random_mtp, make_checkpoint, make_tiny_dense_checkpoint
 
 # Tiny models are dominated by per-op overhead; one thread is fastest and steadiest on shared CI machines.
 torch.set_num_threads(1)
@@ -38,6 +38,20 @@ def mtp_checkpoint(
             built[name] = tmp_path_factory.mktemp(f"mtp_{name}") / "model"
             add_random_mtp(tiny_checkpoint(name), built[name])
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int | None], Path]:
+    """``tiny_dense_checkpoint(window)``: a tiny random checkpoint of the second architecture
+    (``models/tiny_dense.py``), sliding-window attention over ``window`` tokens or full (None)."""
+    built: dict[int | None, Path] = {}
+
+    def get(window: int | None) -> Path:
+        if window not in built:
+            built[window] = make_tiny_dense_checkpoint(tmp_path_factory.mktemp(f"dense_{window}"), window)
+        return built[window]
 
     return get
 

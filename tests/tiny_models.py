@@ -203,3 +203,48 @@ def add_random_mtp(src: Path, dst: Path, seed: int = 1) -> Any:
     tensors = load_file(str(src / "model.safetensors")) | mtp_state_to_disk(mtp)
     save_file(tensors, str(dst / "model.safetensors"))
     return mtp.eval()
+
+
+# The engine's second architecture (hybridserve/models/tiny_dense.py): its checkpoints are plain tensors
+# under the model's own parameter names; the tests' reference reads them with plain torch.
+TINY_DENSE = dict(
+    model_type="tiny_dense",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=8,
+    intermediate_size=48,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    torch_dtype="float32",
+)
+
+
+def make_tiny_dense_checkpoint(folder: Path, sliding_window: int | None, seed: int = 7) -> Path:
+    """A random tiny dense checkpoint (``sliding_window`` None: full attention) with the test tokenizer."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hybridserve.models.tiny_dense import TinyDenseConfig, TinyDenseModel
+
+    raw = {**TINY_DENSE, "sliding_window": sliding_window}
+    model = TinyDenseModel(TinyDenseConfig.from_dict(raw))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            tensors[name] = 1.0 + torch.randn(p.shape, generator=g) * 0.3
+        else:
+            scale = 1.0 if name == "embed_tokens.weight" else 1.5 * p.shape[1] ** -0.5
+            tensors[name] = torch.randn(p.shape, generator=g) * scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    write_tokenizer(folder)
+    return folder

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.models import loader
+from hybridserve.models import loader, tiny_dense
 from hybridserve.models.interface import PagedModel
 from hybridserve.models.loader import CheckpointError, ModelShard, read_config
 
@@ -30,6 +30,7 @@ class ModelEntry:
 
 MODELS: dict[str, ModelEntry] = {
     "deepseek_v4": ModelEntry(loader.load_model, loader.build_meta_model),
+    "tiny_dense": ModelEntry(tiny_dense.load_model, tiny_dense.build_meta_model),
 }
 
 
