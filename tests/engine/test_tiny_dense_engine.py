@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.models import registry
+from hybridserve.models.loader import CheckpointError, ModelShard
 from tests.tiny_models import VOCAB
 
 MAX_NEW = 16
@@ -120,3 +122,17 @@ def test_unsupported_features_are_refused_at_start_up(
 ) -> None:
     with pytest.raises(ValueError, match=f"{named}.*tiny_dense"):
         LLM(str(tiny_dense_checkpoint(6)), device="cpu", **flags)
+
+
+def test_the_registry_loads_by_model_type(tiny_dense_checkpoint: Callable[[int | None], Path]) -> None:
+    folder = tiny_dense_checkpoint(6)
+    model = registry.load_model(folder, torch.float32, "cpu")
+    assert model.info.name == "tiny_dense" and model.info.num_draft_layers == 0
+    with pytest.raises(CheckpointError, match="tiny_dense has no routed experts"):
+        registry.load_model(folder, torch.float32, "cpu", shard=cast(ModelShard, object()))
+    raw = json.loads((folder / "config.json").read_text())
+    other = folder.parent / "unknown_type"
+    other.mkdir(exist_ok=True)
+    (other / "config.json").write_text(json.dumps(raw | {"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*deepseek_v4.*tiny_dense"):
+        registry.load_model(other, torch.float32, "cpu")

@@ -24,3 +24,8 @@ def check_features(config: EngineConfig, info: ModelInfo) -> None:
     for flag, on in compiled.items():
         if on and not info.compiled_steps:
             raise ValueError(f"{flag}: {info.name} has no compiled steps; serve {config.model} without it")
+    if config.expert_parallel and not info.expert_parallel:
+        raise ValueError(
+            f"--enable-expert-parallel: {info.name} has no routed experts to split across ranks; serve "
+            f"{config.model} without it"
+        )
