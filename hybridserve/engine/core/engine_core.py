@@ -97,7 +97,9 @@ class EngineCore:
         eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
         exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config
         engine/spec_decode/decoder.py runs every step: one that verifies no drafts takes a decode graph (which
-        then keeps its streams for the MTP layer), one that does the prefill graph."""
+        then keeps its streams for the MTP layer), one that does the prefill graph. A model without
+        compiled steps (``ModelInfo.compiled_steps``; the flags that ask for them are refused) runs every
+        step eagerly."""
         cuda = self.device.type == "cuda"
         accelerate = not self.config.enforce_eager and self.group is None
         compiled = accelerate and bool(self.config.compile_decode)
