@@ -360,7 +360,8 @@ class DeepseekV4Model(nn.Module):
 
     def row_reads(self, layout: BatchLayout) -> dict[str, RowReads]:
         """Per compressed branch: the rows a step of ``layout`` sees, its rate and the CSA indexer's top-k."""
-        seen = visible_rows(layout, 1)  # the step's last position + 1: floor(seen / m) is each branch's
+        # One pass over the layout for every branch: visible_rows(layout, m) == visible_rows(layout, 1) // m.
+        seen = visible_rows(layout, 1)
         return {name: RowReads(seen // m, m, k) for name, m, k in self._branches}
 
     def attention_meta(self, batch: ForwardBatch, shapes: MetaShapes | None = None) -> AttentionMeta:
