@@ -47,14 +47,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The cache plan an engine started with these flags builds (the engine's own ``plan_cache``)."""
     from hybridserve.engine.worker.cache_plan import plan_cache
-    from hybridserve.models.loader import build_meta_model, read_config
+    from hybridserve.models.registry import build_meta_model, read_config
 
     config = EngineConfig.from_cli(args)
     raw = read_config(config.model)
     dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
     model = build_meta_model(config.model, dtype)
     plan = plan_cache(config, model, _local_device(config))
-    length = config.max_model_len or min(model.cfg.max_position_embeddings, plan.max_request_tokens())
+    length = config.max_model_len or min(model.info.max_position_embeddings, plan.max_request_tokens())
+    assert isinstance(model, torch.nn.Module)
     ranks = _rank_bytes(config, model, plan.total_bytes)
     if args.json:
         report = {"model": config.model, "dtype": str(dtype).removeprefix("torch."), **plan.as_dict()}

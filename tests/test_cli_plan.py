@@ -89,3 +89,13 @@ def test_plan_refuses_what_the_engine_refuses(tiny_checkpoint, capsys):
     tight = ["--num-blocks", "3", "--max-num-batched-tokens", "256"]
     assert main(_argv(tiny_checkpoint("mixed"), *tight)) == 2
     assert "no request could run" in capsys.readouterr().err
+
+
+def test_plan_of_a_second_architecture_is_the_engines(tiny_dense_checkpoint, capsys):
+    """`hybridserve plan` finds the model through the registry, as the engine does."""
+    argv = _argv(tiny_dense_checkpoint(None), "--kv-cache-memory", "2MiB")
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = EngineCore(EngineConfig.from_cli(build_parser().parse_args(argv))).plan
+    assert [g["name"] for g in report["groups"]] == [g.spec.name for g in plan.groups]
+    assert report["total_bytes"] == plan.total_bytes
