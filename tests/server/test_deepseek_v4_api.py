@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, Server, start_server, stop_server
+from tests.server.conftest import API_KEY, Server, stop_server
+from tests.server.deepseek_v4_server import DSML_CALL, literal, start_v4_server
 
-BUNDLED = Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4"
 VECTORS = Path(__file__).resolve().parents[1] / "chat_format" / "data" / "deepseek_v4_encoder_vectors.json"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WEATHER = {
@@ -30,33 +30,12 @@ WEATHER = {
         },
     },
 }
-DSML_CALL = (
-    "\n\n<｜DSML｜tool_calls>\n"
-    '<｜DSML｜invoke name="get_weather">\n'
-    '<｜DSML｜parameter name="city" string="true">Bath</｜DSML｜parameter>\n'
-    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
-    "</｜DSML｜invoke>\n"
-    "</｜DSML｜tool_calls>"
-)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     """Overrides the package's tiny-model server: the tools prompt needs the bundled model's context."""
-    s = start_server(
-        BUNDLED,
-        *("--api-key", API_KEY, "--served-model-name", "austen", "--tokenizer-mode", "deepseek_v4"),
-        *(
-            "--reasoning-parser",
-            "deepseek_v4",
-            "--tool-call-parser",
-            "deepseek_v4",
-            "--enable-auto-tool-choice",
-        ),
-        *("--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-tokens", "16"),
-        *("--default-chat-template-kwargs", '{"thinking": false}'),
-    )
-    s.model = "austen"
+    s = start_v4_server("--max-num-seqs", "8", "--default-chat-template-kwargs", '{"thinking": false}')
     yield s
     assert stop_server(s) == 0
 
@@ -79,11 +58,6 @@ def _stream(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
     return chunks
-
-
-def _literal(text: str) -> str:
-    """``text`` as a regex that matches only it."""
-    return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else "\\n" if c == "\n" else c for c in text)
 
 
 def _prompt_text(server: Server, body: dict[str, Any]) -> str:
@@ -135,7 +109,7 @@ def test_forced_dsml_comes_back_as_tool_calls(server: Server, thinking: bool) ->
     body = {
         "messages": [{"role": "user", "content": "Weather in Bath?"}],
         "tools": [WEATHER],
-        "guided_regex": _literal(forced),
+        "guided_regex": literal(forced),
         "max_tokens": 400,
         "chat_template_kwargs": {"thinking": thinking},
     }
@@ -163,7 +137,7 @@ def test_forced_dsml_comes_back_as_tool_calls(server: Server, thinking: bool) ->
 def test_thinking_output_splits_into_reasoning_then_content(server: Server) -> None:
     body = {
         "messages": [{"role": "user", "content": "Weather in Bath?"}],
-        "guided_regex": _literal("It rains in Bath.</think>Take an umbrella."),
+        "guided_regex": literal("It rains in Bath.</think>Take an umbrella."),
         "max_tokens": 100,
         "chat_template_kwargs": {"thinking": True},
     }
@@ -251,7 +225,7 @@ def test_an_openai_client_tool_loop_round_trips_its_own_history(server: Server) 
         messages=messages,
         tools=[WEATHER],  # type: ignore[list-item]
         max_tokens=400,
-        extra_body={**thinking, "guided_regex": _literal(forced)},
+        extra_body={**thinking, "guided_regex": literal(forced)},
     ).choices[0]
     assert first.finish_reason == "tool_calls" and first.message.tool_calls
     messages.append(first.message.model_dump(exclude_none=True))

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from hybridserve.chat_format.deepseek_v4 import EFFORT_PROMPTS
 from hybridserve.server.errors import APIError
 from hybridserve.server.responses_input import ResponsesRequest, to_chat
-from tests.server.conftest import API_KEY, Server, start_server, stop_server
-from tests.server.test_deepseek_v4_api import BUNDLED, DSML_CALL, _literal
+from tests.server.conftest import API_KEY, Server, stop_server
+from tests.server.deepseek_v4_server import DSML_CALL, literal, start_v4_server
 
 TOOL = {
     "type": "function",
@@ -35,19 +35,7 @@ TOOL = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = start_server(
-        BUNDLED,
-        *("--api-key", API_KEY, "--served-model-name", "austen", "--tokenizer-mode", "deepseek_v4"),
-        *(
-            "--reasoning-parser",
-            "deepseek_v4",
-            "--tool-call-parser",
-            "deepseek_v4",
-            "--enable-auto-tool-choice",
-        ),
-        *("--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--block-tokens", "16"),
-    )
-    s.model = "austen"
+    s = start_v4_server("--max-num-seqs", "4")
     yield s
     assert stop_server(s) == 0
 
@@ -76,7 +64,7 @@ def test_reasoning_and_a_function_call_whole_and_streamed(client: openai.OpenAI)
         input=[{"role": "user", "content": "Weather in Bath?"}],
         tools=[TOOL],
         max_output_tokens=400,
-        extra_body={"guided_regex": _literal("I should call the tool.</think>" + DSML_CALL)},
+        extra_body={"guided_regex": literal("I should call the tool.</think>" + DSML_CALL)},
     )
     r = client.responses.create(**kwargs)
     assert r.status == "completed"
