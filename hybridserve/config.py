@@ -101,11 +101,82 @@ class SpeculativeConfig:
         return SpeculativeConfig(str(method), k, adaptive, off_at)
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, in what precision, on which device, for how long a context."""
+
+    model: str
+    dtype: str
+    device: str
+    max_model_len: int | None
+    dequantize_weights: bool
+    native_fp8_matmul: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The cache plan's knobs: block size, memory or blocks, layout, prefix caching, KV dtype."""
+
+    block_tokens: int | None
+    kv_cache_bytes: int
+    num_blocks: int | None
+    layout: str  # arena or fixed, resolved
+    enable_prefix_caching: bool
+    window_cache_share: float
+    kv_cache_dtype: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests run at once, a step's token budget, and the growth each keeps free."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    reserve_lookahead: int | None = None  # None: one block
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The data-parallel world of engine-core ranks, and whether they split the experts."""
+
+    data_parallel_size: int
+    data_parallel_size_local: int
+    data_parallel_start_rank: int
+    data_parallel_address: str
+    data_parallel_rpc_port: int | None
+    data_parallel_rank: int
+    expert_parallel: bool
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Which steps may run compiled (the worker's compile policy decides what actually does)."""
+
+    enforce_eager: bool
+    compile_decode: bool
+    compile_prefill: bool
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """This server's side of prefill/decode disaggregation, and where its KV handoff listens."""
+
+    mode: str | None
+    bootstrap_host: str
+    bootstrap_port: int
+    kv_transfer_timeout: float
+
+
 WINDOW_CACHE_SHARE_DEFAULT = 0.25
 
 
 @dataclass
 class EngineConfig:
+    """Every engine knob, flat, as users give them: ``LLM(**kwargs)``, ``--flags``, ``HYBRIDSERVE_*``
+    variables (vLLM's EngineArgs). Components take the sub-config of their concern whole
+    (``scheduler_config``, ``cache_config``, ``compile_config``, ...), never a list of loose values."""
+
     model: str = field(default_factory=default_model_path, metadata={"help": "Hugging Face model folder"})
     dtype: str = field(
         default="auto", metadata={"help": "auto (the checkpoint's), float32, bfloat16, float16"}
@@ -305,6 +376,59 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            self.model,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.dequantize_weights,
+            self.native_fp8_matmul,
+            self.seed,
+        )
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            self.block_tokens,
+            self.kv_cache_bytes,
+            self.num_blocks,
+            self.resolved_cache_layout,
+            self.enable_prefix_caching,
+            self.window_cache_share,
+            self.kv_cache_dtype,
+        )
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.reserve_lookahead)
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.data_parallel_size,
+            self.local_ranks,
+            self.data_parallel_start_rank,
+            self.data_parallel_address,
+            self.data_parallel_rpc_port,
+            self.data_parallel_rank,
+            self.expert_parallel,
+        )
+
+    @property
+    def compile_config(self) -> CompileConfig:
+        return CompileConfig(self.enforce_eager, bool(self.compile_decode), self.compile_prefill)
+
+    @property
+    def disaggregation_config(self) -> DisaggregationConfig:
+        return DisaggregationConfig(
+            self.disaggregation_mode,
+            self.disaggregation_bootstrap_host,
+            self.disaggregation_bootstrap_port,
+            self.kv_transfer_timeout,
+        )
 
     @property
     def resolved_cache_layout(self) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool_set import BlockPoolSet
+from hybridserve.config import SchedulerConfig
 from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import RemotePrefill, Request, SamplingParams
 from hybridserve.kv_transfer.records import KvHandoff
@@ -40,7 +41,7 @@ def _setup(num_blocks: int, timeout_s: float = 30.0) -> tuple[DecodeRole, FakeRe
     plan = build_plan(toy_specs(), BLOCK, 8, 64, num_blocks=num_blocks)
     coordinator = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"))
     receiver = FakeReceiver(timeout_s)
-    role = DecodeRole(receiver, Scheduler(coordinator, 8, 64), coordinator, 8)  # type: ignore[arg-type]
+    role = DecodeRole(receiver, Scheduler(coordinator, SchedulerConfig(8, 64)), coordinator, 8)  # type: ignore[arg-type]
     return role, receiver, coordinator
 
 

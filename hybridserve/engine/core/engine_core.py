@@ -14,10 +14,11 @@ from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.config import EngineConfig
 from hybridserve.distributed.group import GroupAddress, ProcessGroup, init_group
 from hybridserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.core.stop import StopChecker
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
 from hybridserve.engine.limits import RequestLimits
 from hybridserve.engine.outputs import EngineCoreOutput
-from hybridserve.engine.request import FinishReason, Logprob, Request
+from hybridserve.engine.request import FinishReason, Request
 from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.rejection_sampler import Verified
 from hybridserve.engine.sample.sampler import Sampler
@@ -26,6 +27,7 @@ from hybridserve.engine.spec_decode.control import DraftController
 from hybridserve.engine.spec_decode.decoder import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.worker.cache_plan import plan_cache
+from hybridserve.engine.worker.compile_policy import CompilePolicy
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
@@ -65,14 +67,13 @@ class EngineCore:
         self.coordinator = KvCacheCoordinator(
             self.plan, self.pools, config.enable_prefix_caching, hash_salt=self._cache_salt()
         )
-        self.scheduler = Scheduler(
-            self.coordinator, config.max_num_seqs, config.max_num_batched_tokens, config.reserve_lookahead
-        )
         info = self.model.info
         self.max_model_len = config.max_model_len or info.max_position_embeddings
         self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
         self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
         self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
+        stop = StopChecker(self.structured, self.limits.max_request_tokens)
+        self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()
         self.spec = self._build_spec_decoder()
         self.requests: dict[str, Request] = {}
@@ -91,33 +92,24 @@ class EngineCore:
         self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
 
     def _build_runner(self) -> ModelRunner:
-        """Unless --enforce-eager: pure-decode steps over bucketed static shapes, compiled with
-        torch.compile if --compile-decode and replayed as CUDA graphs on CUDA; with --compile-prefill the
-        other steps run through one dynamically shaped compiled graph; on CUDA, or with either flag, the
-        eager steps' mHC tail is compiled too (one graph for every token count). Expert-parallel steps
-        exchange host-sized splits every MoE layer, so they stay eager. With --speculative-config
-        engine/spec_decode/decoder.py runs every step: one that verifies no drafts takes a decode graph (which
-        then keeps its streams for the MTP layer), one that does the prefill graph. A model without
-        compiled steps (``ModelInfo.compiled_steps``; the flags that ask for them are refused) runs every
-        step eagerly."""
-        cuda = self.device.type == "cuda"
-        accelerate = not self.config.enforce_eager and self.group is None
-        compiled = accelerate and bool(self.config.compile_decode)
-        compiled_prefill = accelerate and self.config.compile_prefill
-        set_compile(accelerate and (cuda or compiled or compiled_prefill))
+        """The worker, with what its compile policy (engine/worker/compile_policy.py) chose. With
+        --speculative-config engine/spec_decode/decoder.py runs every step: one that verifies no drafts
+        takes a decode graph (which then keeps its streams for the MTP layer), one that does the prefill
+        graph."""
         speculative = self.config.speculative is not None
-        # Speculative steps that verify drafts take the prefill graph, and without --compile-decode the
-        # CUDA graphs of the others are not worth their capture: a speculative engine drafts most steps.
-        graphs = accelerate and self.model.info.compiled_steps and (compiled or (cuda and not speculative))
+        policy = CompilePolicy.choose(
+            self.config.compile_config, self.device, self.group is not None, self.model.info, speculative
+        )
+        set_compile(policy.compile_tail)
         return ModelRunner(
             self.model,
             self.pools,
             self.coordinator,
             Sampler(self.config.seed, self.structured),
             self.device,
-            decode_graphs=graphs,
-            compile_decode=compiled,
-            compile_prefill=compiled_prefill,
+            decode_graphs=policy.decode_graphs,
+            compile_decode=policy.compile_decode,
+            compile_prefill=policy.compile_prefill,
             keep_streams=speculative,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -208,7 +200,7 @@ class EngineCore:
         req.output_token_ids.append(remote.first_token)
         reason, stop = remote.finish_reason, remote.stop_reason
         if reason is None:
-            reason, stop = self._stop(req, remote.first_token)
+            reason, stop = self.scheduler.stop.check(req, remote.first_token)
         logprobs = [remote.first_logprobs] if remote.first_logprobs is not None else None
         self._early.append(
             EngineCoreOutput(
@@ -359,25 +351,19 @@ class EngineCore:
         self, req: Request, results: list[SampleResult]
     ) -> tuple[EngineCoreOutput, FinishReason | None]:
         """Append verified tokens up to the first that ends the request (EOS, stop token, length)."""
-        tokens: list[int] = []
-        logprobs: list[dict[int, Logprob]] = []
-        reason: FinishReason | None = None
-        stop_reason: int | str | None = None
-        for res in results:
-            req.output_token_ids.append(res.token_id)
-            tokens.append(res.token_id)
-            if res.top is not None:
-                logprobs.append(res.top)
-            reason, stop_reason = self._stop(req, res.token_id)
-            if reason is not None:
-                break
-        self.stats.generation_tokens += len(tokens)
+        update = self.scheduler.append_tokens(req, results)
+        self.stats.generation_tokens += len(update.tokens)
         output = EngineCoreOutput(
-            req.request_id, tokens, logprobs or None, reason, stop_reason, req.num_cached_tokens
+            req.request_id,
+            update.tokens,
+            update.logprobs or None,
+            update.reason,
+            update.stop_reason,
+            req.num_cached_tokens,
         )
-        if len(req.output_token_ids) == len(tokens):  # the request's first tokens
+        if len(req.output_token_ids) == len(update.tokens):  # the request's first tokens
             output.prompt_logprobs = prompt_logprobs_of(req)
-        return output, reason
+        return output, update.reason
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
         log.exception("an engine step failed; failing its %d requests", len(out.scheduled))
@@ -399,43 +385,27 @@ class EngineCore:
         return failed
 
     def _append_token(self, req: Request, res: SampleResult) -> EngineCoreOutput:
-        req.output_token_ids.append(res.token_id)
+        update = self.scheduler.append_tokens(req, [res])
         self.stats.generation_tokens += 1
-        logprobs = [res.top] if res.top is not None else None
-        reason, stop_reason = self._stop(req, res.token_id)
-        handoff = None
+        reason, handoff = update.reason, None
         if reason is None and req.remote_decode and isinstance(self.role, PrefillRole):
             del self.requests[req.request_id]
             handoff, reason = self.role.hand_off(req), FinishReason.LENGTH
             req.finish(reason)
         elif reason is not None:
-            self.finish_request(req.request_id, reason, stop_reason)
+            self.finish_request(req.request_id, reason, update.stop_reason)
         out = EngineCoreOutput(
             req.request_id,
-            [res.token_id],
-            logprobs,
+            update.tokens,
+            update.logprobs or None,
             reason,
-            stop_reason,
+            update.stop_reason,
             req.num_cached_tokens,
             kv_transfer=handoff,
         )
         if len(req.output_token_ids) == 1:
             out.prompt_logprobs = prompt_logprobs_of(req)
         return out
-
-    def _stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
-        p = req.params
-        n_out = len(req.output_token_ids)
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return FinishReason.STOP, None
-            if token in p.stop_token_ids:
-                return FinishReason.STOP, token
-        if p.structured_outputs is not None and self.structured.is_terminated(req):
-            return FinishReason.STOP, None  # the grammar is complete (its stop token was ignore_eos'd)
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
-            return FinishReason.LENGTH, None
-        return None, None
 
     def _count_finish(self, reason: FinishReason) -> None:
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 from hybridserve.cache.coordinator import KvCacheCoordinator, PrefixHit
 from hybridserve.cache.pool_set import BlockPoolSet
-from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.config import SchedulerConfig
+from hybridserve.engine.core.stop import StopChecker
+from hybridserve.engine.request import FinishReason, Logprob, Request, RequestStatus
+from hybridserve.engine.sample.ops import SampleResult
 
 
 @dataclass
@@ -32,6 +35,16 @@ class ScheduledRequest:
         """The tokens this step computes: known ones, then the drafts being verified."""
         known = self.request.all_token_ids[self.start : self.end - self.num_spec]
         return known + self.request.spec_token_ids[: self.num_spec] if self.num_spec else known
+
+
+@dataclass
+class TokenUpdate:
+    """What one step appended to a request: its tokens, their logprobs, and why it ends (if it does)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    reason: FinishReason | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -101,17 +114,15 @@ class Scheduler:
     """
 
     def __init__(
-        self,
-        coordinator: KvCacheCoordinator,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        reserve_lookahead: int | None = None,
+        self, coordinator: KvCacheCoordinator, config: SchedulerConfig, stop: StopChecker | None = None
     ) -> None:
         self.coordinator = coordinator
-        self.max_num_seqs = max_num_seqs
-        self.budget = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.budget = config.max_num_batched_tokens
+        self.stop = stop or StopChecker(None, coordinator.plan.max_request_tokens())
         # Tokens of growth kept free per older running request (see the class docstring).
-        self.reserve_lookahead = coordinator.block_tokens if reserve_lookahead is None else reserve_lookahead
+        lookahead = config.reserve_lookahead
+        self.reserve_lookahead = coordinator.block_tokens if lookahead is None else lookahead
         if self.reserve_lookahead < 0:
             raise ValueError("reserve_lookahead must be >= 0")
         self.waiting: deque[Request] = deque()
@@ -122,6 +133,20 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def append_tokens(self, req: Request, results: list[SampleResult]) -> TokenUpdate:
+        """Append a step's sampled (or verified) tokens to ``req`` up to the first that ends it: EOS, a
+        stop token, its grammar's end, its length."""
+        update = TokenUpdate()
+        for res in results:
+            req.output_token_ids.append(res.token_id)
+            update.tokens.append(res.token_id)
+            if res.top is not None:
+                update.logprobs.append(res.top)
+            update.reason, update.stop_reason = self.stop.check(req, res.token_id)
+            if update.reason is not None:
+                break
+        return update
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
