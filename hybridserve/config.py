@@ -126,6 +126,13 @@ class CacheConfig:
     window_cache_share: float
     kv_cache_dtype: str
 
+    def resolve_block_tokens(self, strides: list[int]) -> int:
+        """The configured block size, or the smallest multiple of every stride that is >= 16."""
+        lcm = math.lcm(*strides) if strides else 1
+        if self.block_tokens is not None:
+            return self.block_tokens
+        return lcm * max(1, math.ceil(16 / lcm))
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -456,13 +463,6 @@ class EngineConfig:
         if name not in _DTYPES:
             raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
         return _DTYPES[name]
-
-    def resolve_block_tokens(self, strides: list[int]) -> int:
-        """The configured block size, or the smallest multiple of every stride that is >= 16."""
-        lcm = math.lcm(*strides) if strides else 1
-        if self.block_tokens is not None:
-            return self.block_tokens
-        return lcm * max(1, math.ceil(16 / lcm))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

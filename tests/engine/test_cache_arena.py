@@ -28,7 +28,7 @@ ENGINE = dict(block_tokens=BLOCK, max_num_seqs=8, max_num_batched_tokens=64, ena
 def _plan(folder: Path, layout: str, memory: int) -> CachePlan:
     config = EngineConfig(model=str(folder), cache_layout=layout, kv_cache_memory=str(memory), **ENGINE)
     cfg = DeepseekV4Config.from_dict(read_config(str(folder)))
-    return build_cache_plan(config, cache_specs(cfg, torch.float32))
+    return build_cache_plan(config.cache_config, config.scheduler_config, cache_specs(cfg, torch.float32))
 
 
 def _memory_where_only_the_arena_fits(folder: Path) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from hybridserve.cache.plan import CachePlan, build_plan
 from hybridserve.cache.spec import CacheGroupSpec
-from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, EngineConfig
+from hybridserve.config import WINDOW_CACHE_SHARE_DEFAULT, CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.worker.model_features import check_features
 from hybridserve.layers.fp8_rows import fp8_supported
 from hybridserve.models.interface import PagedModel
@@ -37,27 +37,27 @@ def plan_cache(config: EngineConfig, model: PagedModel[Any], device: torch.devic
     specs = model.cache_specs(
         include_mtp=config.speculative is not None, kv_cache_dtype=config.kv_cache_dtype
     )
-    return build_cache_plan(config, specs)
+    return build_cache_plan(config.cache_config, config.scheduler_config, specs)
 
 
-def build_cache_plan(config: EngineConfig, specs: list[CacheGroupSpec]) -> CachePlan:
-    """The cache plan for ``specs`` under ``config``: what the engine serves with, and `hybridserve plan`
-    prints."""
-    share = config.window_cache_share if config.enable_prefix_caching else 0.0
-    layout = config.resolved_cache_layout
-    if layout == "arena" and config.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
+def build_cache_plan(
+    cache: CacheConfig, scheduler: SchedulerConfig, specs: list[CacheGroupSpec]
+) -> CachePlan:
+    """The cache plan for ``specs``: what the engine serves with, and `hybridserve plan` prints."""
+    share = cache.window_cache_share if cache.enable_prefix_caching else 0.0
+    if cache.layout == "arena" and cache.window_cache_share != WINDOW_CACHE_SHARE_DEFAULT:
         log.warning(
             "--window-cache-share %s is ignored with --cache-layout arena (cache groups take pages as they "
             "need them); pass --cache-layout fixed for a fixed split",
-            config.window_cache_share,
+            cache.window_cache_share,
         )
     return build_plan(
         specs,
-        config.resolve_block_tokens([s.stride for s in specs]),
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        memory_bytes=config.kv_cache_bytes,
-        num_blocks=config.num_blocks,
+        cache.resolve_block_tokens([s.stride for s in specs]),
+        scheduler.max_num_seqs,
+        scheduler.max_num_batched_tokens,
+        memory_bytes=cache.kv_cache_bytes,
+        num_blocks=cache.num_blocks,
         window_cache_share=share,
-        layout=layout,
+        layout=cache.layout,
     )
