@@ -141,7 +141,7 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
 def _warm_up(engine: EngineCore, show: bool) -> None:
     """Compile the engine's graphs now, as the server does at start-up, so that no generate call stops to
     compile in the middle of its work; a progress bar while it does."""
-    with tqdm(total=engine.warmup_part_count(), desc="Compiling", disable=not show) as bar:
+    with tqdm(total=engine.runner.warmup_part_count(), desc="Compiling", disable=not show) as bar:
         engine.warmup(progress=lambda name: (bar.set_postfix_str(name), bar.update())[-1])
 
 

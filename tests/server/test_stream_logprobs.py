@@ -12,6 +12,7 @@ from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.outputs import EngineCoreOutput
 from hybridserve.engine.request import FinishReason, Logprob, Request, RequestOutput, SamplingParams
 from hybridserve.server import chat, completions
+from hybridserve.server.output_parsers import OutputReading
 from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 STEPS = [[11], [13, 14], [17]]
@@ -46,7 +47,8 @@ def test_chat_stream_logprobs_follow_their_tokens() -> None:
     messages = [{"role": "user", "content": "hi"}]
     body = ChatCompletionRequest(model="m", messages=messages, logprobs=True, stream=True)  # type: ignore[arg-type]
     llm = SimpleNamespace(tokenizer=None)
-    stream = chat._stream(body, "id", [1], [None], _feed(_outputs_read_late()), llm, 1)  # type: ignore[arg-type]
+    reading = OutputReading("", reasoning=False, tool_parser=None)
+    stream = chat._stream(body, "id", [1], [None], _feed(_outputs_read_late()), llm, 1, reading)  # type: ignore[arg-type]
     content = [c["choices"][0]["logprobs"]["content"] for c in _chunks(stream) if c["choices"][0]["logprobs"]]
     assert [[e["token"] for e in chunk] for chunk in content] == [[str(t) for t in ids] for ids in STEPS]
     assert [e["logprob"] for chunk in content for e in chunk] == [-0.25 * t for ids in STEPS for t in ids]

@@ -28,12 +28,11 @@ from hybridserve.engine.spec_decode.decoder import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.worker.cache_plan import plan_cache
 from hybridserve.engine.worker.compile_policy import CompilePolicy
-from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
 from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
-from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
+from hybridserve.layers.hyper_connection import set_compile
 from hybridserve.layers.parallel_experts import ExpertShard, parallel_experts, run_dummy_moe
 from hybridserve.models.registry import load_model, read_config
 
@@ -126,31 +125,9 @@ class EngineCore:
         return init_group(address, rank, size, self.device)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile (and on CUDA capture) the mHC tail, the prefill graph and the decode step before the
-        first request, and say how long; ``progress`` hears the name of each part once it is ready."""
-        for name, warm in self._warmup_parts():
-            start = time.perf_counter()
-            how = warm()
-            if how is not None:
-                log.info("%s ready in %.1f s%s", name, time.perf_counter() - start, how)
-            if progress is not None:
-                progress(name)
-
-    def warmup_part_count(self) -> int:
-        return len(self._warmup_parts())
-
-    def _warmup_parts(self) -> list[tuple[str, Callable[[], str | None]]]:
-        """(name, compile it -> a note for the log, or None when there was nothing to compile)."""
-        parts: list[tuple[str, Callable[[], str | None]]] = [("mHC tail", self._warm_tail)]
-        prefill, decode = self.runner.prefill_graphs, self.runner.decode_graphs
-        if prefill is not None:
-            parts.append(("prefill graph", lambda: (prefill.warmup(), None)[1]))  # it logs its own time
-        if decode is not None:
-            parts.append(("decode step", lambda: (decode.warmup(), _decode_how(decode))[1]))
-        return parts
-
-    def _warm_tail(self) -> str | None:
-        return "" if warm_compiled_tail(self.model.modules(), self.device, self.dtype) else None
+        """Compile (and on CUDA capture) the worker's graphs before the first request (see
+        ``ModelRunner.warmup``)."""
+        self.runner.warmup(progress)
 
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
@@ -463,11 +440,6 @@ class EngineCore:
             "spec_num_accepted_tokens": st.num_accepted_tokens,
             "spec_accepted_per_pos": list(st.accepted_per_pos),
         }
-
-
-def _decode_how(graphs: DecodeGraphRunner) -> str:
-    how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
-    return f" ({', '.join(how) or 'eager'})"
 
 
 def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +19,10 @@ from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
+from hybridserve.layers.hyper_connection import warm_compiled_tail
 from hybridserve.models.interface import PagedModel
+
+log = logging.getLogger("hybridserve.engine")
 
 
 class ModelRunner:
@@ -64,6 +70,33 @@ class ModelRunner:
                 keep_streams=keep_streams,
             )
 
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile (and on CUDA capture) the mHC tail, the prefill graph and the decode step before the
+        first request, and say how long; ``progress`` hears the name of each part once it is ready."""
+        for name, warm in self._warmup_parts():
+            start = time.perf_counter()
+            how = warm()
+            if how is not None:
+                log.info("%s ready in %.1f s%s", name, time.perf_counter() - start, how)
+            if progress is not None:
+                progress(name)
+
+    def warmup_part_count(self) -> int:
+        return len(self._warmup_parts())
+
+    def _warmup_parts(self) -> list[tuple[str, Callable[[], str | None]]]:
+        """(name, compile it -> a note for the log, or None when there was nothing to compile)."""
+        parts: list[tuple[str, Callable[[], str | None]]] = [("mHC tail", self._warm_tail)]
+        prefill, decode = self.prefill_graphs, self.decode_graphs
+        if prefill is not None:
+            parts.append(("prefill graph", lambda: (prefill.warmup(), None)[1]))  # it logs its own time
+        if decode is not None:
+            parts.append(("decode step", lambda: (decode.warmup(), _decode_how(decode))[1]))
+        return parts
+
+    def _warm_tail(self) -> str | None:
+        return "" if warm_compiled_tail(self.model.modules(), self.device, self.model.dtype) else None
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
         """Run the step; one result per scheduled request that samples, in scheduling order."""
@@ -105,3 +138,8 @@ class ModelRunner:
         if len(rows) < len(scheduled):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         return logits, streams
+
+
+def _decode_how(graphs: DecodeGraphRunner) -> str:
+    how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
+    return f" ({', '.join(how) or 'eager'})"
