@@ -243,3 +243,51 @@ def test_an_openai_client_tool_loop_round_trips_its_own_history(server: Server) 
         f"<｜Assistant｜><think>Use the tool.</think>{DSML_CALL}<｜end▁of▁sentence｜>"
         "<｜User｜><tool_result>Sunny</tool_result><｜Assistant｜><think>"
     )
+
+
+def test_a_langchain_tool_loop_runs_end_to_end(server: Server) -> None:
+    """LangChain's ChatOpenAI, as agent frameworks drive it: tools bound, a required call (held to DSML by
+    the grammar), the tool's result sent back as a ToolMessage, and an answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="austen",
+        base_url=f"{server.url}/v1",
+        api_key=API_KEY,  # type: ignore[arg-type]
+        max_tokens=400,  # the bundled tokenizer spells DSML's markers out
+        max_retries=0,
+        timeout=120,
+        temperature=0,
+    )
+    messages: list[Any] = [HumanMessage("Weather in Bath?")]
+    first = chat.bind_tools([WEATHER], tool_choice="required").invoke(messages)
+    assert first.tool_calls and first.tool_calls[0]["name"] == "get_weather"
+    assert set(first.tool_calls[0]["args"]) == {"city", "days"}
+    assert "DSML" not in str(first.content)
+    messages += [first, ToolMessage("Sunny", tool_call_id=first.tool_calls[0]["id"])]
+    reply = chat.bind_tools([WEATHER]).invoke(messages, max_tokens=4)
+    assert reply.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+    prompt = _prompt_text(server, {"messages": _openai_messages(messages), "tools": [WEATHER]})
+    assert "<tool_result>Sunny</tool_result>" in prompt and '<｜DSML｜invoke name="get_weather">' in prompt
+
+
+def _openai_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """LangChain's messages as the OpenAI messages ChatOpenAI sent."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.type == "human":
+            out.append({"role": "user", "content": m.content})
+        elif m.type == "tool":
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
+        else:
+            calls = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["args"])},
+                }
+                for c in m.tool_calls
+            ]
+            out.append({"role": "assistant", "content": m.content, "tool_calls": calls})
+    return out
