@@ -315,7 +315,11 @@ class EngineConfig:
         metadata={"help": "address this worker's KV handoff binds and announces (reachable by its peers)"},
     )
     disaggregation_bootstrap_port: int = field(
-        default=0, metadata={"help": "prefill worker's KV rendezvous (TCPStore) port (0: a free one)"}
+        default=0,
+        metadata={
+            "help": "prefill worker's KV rendezvous (TCPStore) port; data-parallel rank r binds PORT + r "
+            "(0: free ones)"
+        },
     )
     kv_transfer_timeout: float = field(
         default=30.0,
@@ -350,8 +354,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
-        if self.disaggregation_mode is not None and self.data_parallel_size > 1:
-            raise ValueError("--disaggregation-mode runs one engine-core rank (--data-parallel-size 1)")
         if self.speculative is not None and (self.data_parallel_size > 1 or self.disaggregation_mode):
             raise ValueError(
                 "--speculative-config is not combined with --data-parallel-size > 1 or "
@@ -374,6 +376,12 @@ class EngineConfig:
     def local_ranks(self) -> int:
         local = self.data_parallel_size_local
         return self.data_parallel_size if local is None else local
+
+    @property
+    def rank_bootstrap_port(self) -> int:
+        """This rank's KV handoff store port: each rank of a disaggregated side hands off on its own."""
+        port = self.disaggregation_bootstrap_port
+        return port + self.data_parallel_rank if port else 0
 
     @property
     def expert_parallel(self) -> bool:

@@ -33,6 +33,7 @@ class HandoffStats:
     transfers: int = 0
     failed: int = 0
     expired: int = 0
+    corrupt: int = 0  # received blocks whose checksum did not match the sender's
     bytes_by_group: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     events: int = 0  # blocks held, pulled, released or received: the pools changed between steps

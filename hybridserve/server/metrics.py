@@ -117,6 +117,9 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
         "token rows each routed expert ran, summed over layers",
         labels=["expert"],
     )
+    handoffs = CounterMetricFamily(
+        "hybridserve_dp_rank_kv_handoff_transfers", "KV handoffs the rank completed", labels=["rank"]
+    )
     for rank, s in sorted(ranks.items()):
         running.add_metric([str(rank)], s.num_running)
         waiting.add_metric([str(rank)], s.num_waiting)
@@ -125,7 +128,9 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
             total.add_metric([str(rank), name], pool.total)
         for expert, n in sorted(s.expert_tokens.items()):
             experts.add_metric([str(expert)], n)
-    yield from (running, waiting, used, total, experts)
+        if s.handoff is not None:
+            handoffs.add_metric([str(rank)], s.handoff.transfers)
+    yield from (running, waiting, used, total, experts, handoffs)
 
 
 def _handoff_metrics(h: HandoffStats) -> Iterator[Metric]:

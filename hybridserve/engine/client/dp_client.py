@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import shutil
@@ -48,6 +49,7 @@ from hybridserve.engine.messages import (
     encode,
 )
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, PoolUsage
+from hybridserve.kv_transfer.records import HandoffStats
 
 log = logging.getLogger("hybridserve.engine")
 
@@ -181,11 +183,22 @@ class DPEngineCoreClient:
         if isinstance(message, AddRequest):
             self._send_to(self.router.assign(message.request_id, message.prompt_token_ids), message)
         elif isinstance(message, FinishRequests):
-            for rank, ids in self.router.by_owner(message.request_ids).items():
-                self._send_to(rank, msgspec.structs.replace(message, request_ids=ids))
+            self._send_finishes(message)
         else:
             for rank in range(self.num_ranks):
                 self._push(rank, message)
+
+    def _send_finishes(self, message: FinishRequests) -> None:
+        """To each request's owner; ids no rank owns any more (a prefill side's handed-off requests,
+        whose blocks wait on the rank that ran them) go to every rank, which ignores those it lacks."""
+        owned = self.router.by_owner(message.request_ids)
+        for rank, ids in owned.items():
+            self._send_to(rank, msgspec.structs.replace(message, request_ids=ids))
+        known = {r for ids in owned.values() for r in ids}
+        unowned = [r for r in message.request_ids if r not in known]
+        if unowned:
+            for rank in range(self.num_ranks):
+                self._push(rank, msgspec.structs.replace(message, request_ids=unowned))
 
     def _send_to(self, rank: int, message: Any) -> None:
         self._push(rank, message)
@@ -286,6 +299,9 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             "generation_tokens",
             "steps",
             "failed_steps",
+            "spec_num_drafts",
+            "spec_num_draft_tokens",
+            "spec_num_accepted_tokens",
         ):
             setattr(merged, name, getattr(merged, name) + getattr(s, name))
         for group, pool in s.kv_blocks.items():
@@ -303,7 +319,24 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
         for path, n in s.steps_by_path.items():
             merged.steps_by_path[path] = merged.steps_by_path.get(path, 0) + n
+        merged.spec_accepted_per_pos = _add_lists(merged.spec_accepted_per_pos, s.spec_accepted_per_pos)
+        merged.handoff = _merge_handoffs(merged.handoff, s.handoff)
     return merged
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+
+
+def _merge_handoffs(total: HandoffStats | None, rank: HandoffStats | None) -> HandoffStats | None:
+    """Every rank of a disaggregated side hands off on its own: counts, bytes and seconds add up."""
+    if rank is None or total is None:
+        return total if rank is None else dataclasses.replace(rank, bytes_by_group=dict(rank.bytes_by_group))
+    for name in ("transfers", "failed", "expired", "seconds", "events", "corrupt"):
+        setattr(total, name, getattr(total, name) + getattr(rank, name))
+    for group, n in rank.bytes_by_group.items():
+        total.bytes_by_group[group] = total.bytes_by_group.get(group, 0) + n
+    return total
 
 
 def _merge_arenas(total: ArenaUsage | None, rank: ArenaUsage | None) -> ArenaUsage | None:

@@ -3,7 +3,9 @@
 Each round: apply the queued messages, agree (one all-reduce) on whether anyone has work, catch up
 with the messages other ranks have already applied, then step; a rank with nothing scheduled runs a
 dummy step so that every MoE layer's collectives complete. Ranks block on their input only when the
-agreement says nobody can be woken alone (distributed/step_sync.py).
+agreement says nobody can be woken alone (distributed/step_sync.py). While a KV handoff is in flight on
+any rank (a disaggregated side), every rank polls its own handoff between rounds without stepping; an
+import that finishes is work the next agreement makes every rank step for.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import zmq
 
 from hybridserve.distributed.step_sync import StepSync
 from hybridserve.engine.core.engine_core import EngineCore
-from hybridserve.engine.core.loop import PARENT_CHECK_MS, CoreLoop
+from hybridserve.engine.core.loop import HANDOFF_POLL_MS, PARENT_CHECK_MS, CoreLoop
 from hybridserve.engine.errors import EngineDeadError
 from hybridserve.engine.messages import Shutdown, StepOutputs, decode_input
 from hybridserve.engine.stats import EngineSnapshot
@@ -33,23 +35,29 @@ class DataParallelCoreLoop(CoreLoop):
         self.catch_up_timeout_ms = int(sync.group.timeout_s * 1000)
 
     def run(self) -> int:
-        idle = True
+        idle, polling = True, False
         while True:
             if idle and not self.inputs.poll(PARENT_CHECK_MS):
                 if os.getppid() != self.parent or not self._world_alive():
                     log.error("the process that started this rank, or rank 0, is gone; exiting")
                     return 1
                 continue
+            if polling:  # only handoffs in flight: no step to run, so give them (and inputs) a moment
+                self.inputs.poll(HANDOFF_POLL_MS)
+            events = self.core.handoff_events
             handled = self._receive(block=False)
-            agreed = self.sync.agree(self.seq, self.core.has_unfinished_requests(), self.stopping)
+            self.core.poll_handoff()
+            agreed = self.sync.agree(
+                self.seq, self.core.has_unfinished_requests(), self.stopping, self.core.handoff_busy
+            )
             if agreed.stop:
                 return 0
             while self.seq < agreed.target_seq:
                 handled += self._receive(block=True)
             step = self._step() if agreed.any_work else []
-            if step or handled:
+            if step or handled or self.core.handoff_events != events:
                 self.send(StepOutputs(step, self._snapshot()))
-            idle = agreed.idle
+            idle, polling = agreed.idle, not agreed.any_work and agreed.any_handoff
 
     def _world_alive(self) -> bool:
         """Whether rank 0's rendezvous store still answers (a headless host's ranks see the head die)."""

@@ -84,7 +84,7 @@ class EngineCore:
             lambda: PlanFingerprint.of(self.plan, config.model, self.dtype),
             self.device,
             config.disaggregation_bootstrap_host,
-            config.disaggregation_bootstrap_port,
+            config.rank_bootstrap_port,
             config.kv_transfer_timeout,
             config.max_num_seqs,
         )
@@ -257,11 +257,16 @@ class EngineCore:
 
     def _between_steps(self) -> list[EngineCoreOutput]:
         """Outputs made since the last step, and the KV handoff's progress (failed imports end here)."""
+        self.poll_handoff()
         early, self._early = self._early, []
+        return early
+
+    def poll_handoff(self) -> None:
+        """Progress the KV handoff without a forward (no collectives): arrived imports join the
+        scheduler, failed ones finish with an error in the next step's outputs."""
         for request_id, error in self.role.poll() if self.role is not None else []:
             if self.finish_request(request_id, FinishReason.ERROR):
-                early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
-        return early
+                self._early.append(EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error))
 
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode/decoder.py.

@@ -28,7 +28,7 @@ log = logging.getLogger("hybridserve.engine")
 
 # Idle, the core wakes this often to notice that the API process is gone.
 PARENT_CHECK_MS = 1000
-_HANDOFF_POLL_MS = 1
+HANDOFF_POLL_MS = 1
 
 
 class ApiProcessGone(Exception):
@@ -63,7 +63,7 @@ class CoreLoop:
         while True:
             busy = self.core.has_unfinished_requests()
             handoff = self.core.handoff_busy  # a KV handoff progresses between steps: poll it often
-            if not busy and not self.inputs.poll(_HANDOFF_POLL_MS if handoff else PARENT_CHECK_MS):
+            if not busy and not self.inputs.poll(HANDOFF_POLL_MS if handoff else PARENT_CHECK_MS):
                 if os.getppid() != self.parent:
                     log.error("the API process is gone; exiting")
                     return 1

@@ -1,0 +1,114 @@
+"""Disaggregation x expert parallelism: a prefill side and a decode side of 2 expert-parallel ranks each
+(and 2 prefill ranks handing to one decode engine), behind ``hybridserve router``.
+
+Reference: one engine-core process with the same engine flags (the 1-rank server below: requests without
+``kv_transfer_params`` run co-located on it, and it is the "1" decode side of the 2 + 1 shape). Greedy
+completions through the router equal it token for token, with requests of very different lengths in
+flight at once (one rank idles while another works); both prefill ranks really hand off; every block is
+back in the pools afterwards.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridserve.config import EngineConfig
+from tests.server.conftest import Server, spawn_server, wait_healthy
+from tests.server.test_disagg import ENGINE, Router, _choices, _post, _router_thread, _wait_router
+
+EXPERT_PARALLEL = ("--data-parallel-size", "2", "--enable-expert-parallel")
+
+
+@dataclass
+class Sides:
+    prefill: Server  # 2 expert-parallel ranks
+    decode: Server  # 2 expert-parallel ranks
+    single: Server  # one engine core: the reference, and a 1-rank decode side
+    routers: dict[str, Router]  # "2x2", "2x1" (prefill ranks x decode ranks)
+
+
+def _stop(servers: list[Server]) -> None:
+    for s in servers:
+        if s.process.poll() is None:
+            s.process.send_signal(signal.SIGTERM)
+    for s in servers:
+        try:
+            s.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            s.process.kill()
+            s.process.wait()
+
+
+@pytest.fixture(scope="module")
+def sides(tiny_checkpoint: Callable[[str], Path]) -> Iterator[Sides]:
+    folder = tiny_checkpoint("mixed")
+    prefill = spawn_server(folder, "--disaggregation-mode", "prefill", *EXPERT_PARALLEL, *ENGINE)
+    decode = spawn_server(folder, "--disaggregation-mode", "decode", *EXPERT_PARALLEL, *ENGINE)
+    single = spawn_server(folder, "--disaggregation-mode", "decode", *ENGINE)
+    servers = [prefill, decode, single]
+    routers: dict[str, Router] = {}
+    try:
+        for s in servers:
+            wait_healthy(s, timeout_s=420)
+        routers = {"2x2": _router_thread([prefill], [decode]), "2x1": _router_thread([prefill], [single])}
+        for r in routers.values():
+            _wait_router(r)
+        yield Sides(prefill, decode, single, routers)
+    finally:
+        for r in routers.values():
+            r.stop()
+        _stop(servers)
+
+
+def _bodies(model: str) -> list[tuple[str, dict[str, Any]]]:
+    """Prompts across block, window and compressed-row boundaries, short and long outputs, n = 2, chat."""
+    out = []
+    for k, (n, max_tokens) in enumerate(((3, 24), (40, 4), (17, 16), (9, 2), (33, 20), (5, 8))):
+        prompt = [(7 * i + k) % 300 + 5 for i in range(n)]
+        body = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}
+        out.append(("/v1/completions", body))
+    greedy = {"model": model, "temperature": 0, "max_tokens": 10}
+    out.append(("/v1/completions", dict(greedy, prompt="It is a truth universally acknowledged", n=2)))
+    out.append(("/v1/chat/completions", dict(greedy, messages=[{"role": "user", "content": "Hello there"}])))
+    return out
+
+
+def _all_at_once(url: str, bodies: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda b: _post(url, *b), bodies))
+    for r in responses:
+        assert r.status_code == 200, r.text
+    return [_choices(r.json()) for r in responses]
+
+
+@pytest.mark.parametrize("shape", ["2x2", "2x1"])
+def test_disaggregated_expert_parallel_equals_one_process(sides: Sides, shape: str) -> None:
+    bodies = _bodies(sides.single.model)
+    reference = [_choices(_post(sides.single.url, *b).json()) for b in bodies]
+    assert _all_at_once(sides.routers[shape].url, bodies) == reference
+    for s in (sides.prefill, sides.decode, sides.single):
+        s.wait_idle(timeout=15)
+    sides_with_ranks = [sides.prefill, sides.decode] if shape == "2x2" else [sides.prefill]
+    for side in sides_with_ranks:  # every rank of each 2-rank side handed off
+        done = {k: v for k, v in side.metrics().items() if "dp_rank_kv_handoff_transfers" in k}
+        assert len(done) == 2 and all(v > 0 for v in done.values()), done
+
+
+def test_each_rank_of_a_side_gets_its_own_bootstrap_port() -> None:
+    ports = [
+        EngineConfig(
+            disaggregation_mode="prefill", data_parallel_size=2, data_parallel_rank=r,
+            disaggregation_bootstrap_port=29600,
+        ).rank_bootstrap_port
+        for r in (0, 1)
+    ]  # fmt: skip
+    assert ports == [29600, 29601]
+    assert EngineConfig(disaggregation_mode="decode", data_parallel_size=2).rank_bootstrap_port == 0
