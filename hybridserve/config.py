@@ -354,10 +354,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
-        if self.speculative is not None and (self.data_parallel_size > 1 or self.disaggregation_mode):
+        if self.speculative is not None and self.disaggregation_mode:
             raise ValueError(
-                "--speculative-config is not combined with --data-parallel-size > 1 or "
-                "--disaggregation-mode yet (the MTP layer's MoE and its draft window are per engine)"
+                "--speculative-config is not combined with --disaggregation-mode yet (the prefill side does "
+                "not hand over the MTP layer's draft window)"
             )
 
     def _check_data_parallel(self) -> None:

@@ -44,8 +44,10 @@ class ParallelExperts(Experts):
         self.group = group
         self.dispatcher = ExpertDispatcher(experts, group)
         self.tokens_per_expert = [0] * (experts.end - experts.start)  # rows this rank's experts ran
+        self.calls = 0  # dispatch / combine rounds joined
 
     def _expert_outputs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
         rows, local_ids, route = self.dispatcher.dispatch(x, experts)
         self._count(local_ids)
         y = super()._expert_outputs(rows, local_ids[:, None])[:, 0] if rows.shape[0] else rows
@@ -124,3 +126,39 @@ def run_dummy_moe(layers: nn.ModuleList, hidden: int, device: torch.device, dtyp
             moe = layer.get_submodule("ffn")
             assert isinstance(moe, MoE)
             moe(x, ids)
+
+
+def draft_moe(modules: Iterable[nn.Module], trunk: nn.ModuleList) -> MoE | None:
+    """The first MoE outside the trunk's layers: the draft (MTP) layer's, the one drafting runs."""
+    inside = {id(m) for m in trunk.modules()}
+    return next((m for m in modules if isinstance(m, MoE) and id(m) not in inside), None)
+
+
+@dataclass
+class DraftCollectives:
+    """The draft (MTP) layer's MoE joins its dispatch and combine ``per_step`` times on every rank each
+    step: drafting k tokens runs the layer up to k times, so a rank that ran it fewer times (shorter
+    chains, no drafting request, or a dummy step) runs it on zero rows until it has ``per_step``."""
+
+    moe: MoE
+    per_step: int
+    hidden: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self._mark = 0
+
+    def begin(self) -> None:
+        self._mark = self._calls()
+
+    def complete(self) -> None:
+        x = torch.empty(0, self.hidden, device=self.device, dtype=self.dtype)
+        ids = torch.empty(0, device=self.device, dtype=torch.long)
+        with torch.inference_mode():
+            for _ in range(self.per_step - (self._calls() - self._mark)):
+                self.moe(x, ids)
+
+    def _calls(self) -> int:
+        experts = self.moe.experts
+        return experts.calls if isinstance(experts, ParallelExperts) else 0

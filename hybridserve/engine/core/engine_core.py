@@ -33,7 +33,13 @@ from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
 from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
 from hybridserve.layers.hyper_connection import set_compile
-from hybridserve.layers.parallel_experts import ExpertShard, parallel_experts, run_dummy_moe
+from hybridserve.layers.parallel_experts import (
+    DraftCollectives,
+    ExpertShard,
+    draft_moe,
+    parallel_experts,
+    run_dummy_moe,
+)
 from hybridserve.models.registry import load_model, read_config
 
 log = logging.getLogger("hybridserve.engine")
@@ -75,6 +81,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()
         self.spec = self._build_spec_decoder()
+        self.draft_collectives = self._draft_collectives()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.role = build_role(
@@ -132,6 +139,16 @@ class EngineCore:
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
         run_dummy_moe(self.model.layers, self.model.info.hidden_size, self.device, self.dtype)
+        if self.draft_collectives is not None:
+            self.draft_collectives.begin()
+            self.draft_collectives.complete()
+
+    def _draft_collectives(self) -> DraftCollectives | None:
+        """Expert-parallel speculation: every rank runs the MTP layer's MoE k times each step."""
+        moe = draft_moe(self.model.modules(), self.model.layers)
+        if self.group is None or self.spec is None or moe is None:
+            return None
+        return DraftCollectives(moe, self.spec.k, self.model.info.hidden_size, self.device, self.dtype)
 
     def _build_spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative
@@ -276,7 +293,11 @@ class EngineCore:
         start = time.perf_counter()
         choice = spec.control.choose(len(self.scheduler.running))
         drafting = choice > 0 or any(s.num_spec for s in out.scheduled)
+        if self.draft_collectives is not None:
+            self.draft_collectives.begin()
         outputs = self._verify_and_draft(out, spec, choice)
+        if self.draft_collectives is not None:
+            self.draft_collectives.complete()
         spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=drafting)
         return outputs
 
