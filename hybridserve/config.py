@@ -354,11 +354,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
         self._check_data_parallel()
-        if self.speculative is not None and self.disaggregation_mode:
-            raise ValueError(
-                "--speculative-config is not combined with --disaggregation-mode yet (the prefill side does "
-                "not hand over the MTP layer's draft window)"
-            )
+        SpeculativeConfig.parse(self.speculative_config)  # a malformed one fails at start-up
 
     def _check_data_parallel(self) -> None:
         n, local, start = self.data_parallel_size, self.local_ranks, self.data_parallel_start_rank

@@ -30,6 +30,7 @@ from hybridserve.engine.worker.cache_plan import plan_cache
 from hybridserve.engine.worker.compile_policy import CompilePolicy
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.engine.worker.prompt_logprobs import prompt_logprobs_of
+from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.kv_transfer.roles import DecodeRole, PrefillRole, build_role
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
 from hybridserve.layers.hyper_connection import set_compile
@@ -313,11 +314,11 @@ class EngineCore:
             load = (len(self.scheduler.running), self.config.max_num_batched_tokens)
             drafts = [
                 0
-                if s.request.request_id in done or not sampled
+                if s.request.request_id in done or not sampled or self._hands_off(s.request)
                 else min(choice, spec.num_drafts(s.request, self.max_request_tokens, *load))
                 for s, sampled in zip(out.scheduled, samples, strict=True)
             ]
-            spec.propose(out.scheduled, drafts)
+            spec.propose(out.scheduled, drafts)  # a handed-off prompt's MTP window rows too
         except Exception as exc:
             for s in out.scheduled:
                 s.request.drop_drafts()
@@ -327,6 +328,10 @@ class EngineCore:
             self.coordinator.publish(req.request_id, req.all_token_ids, req.num_computed_tokens)
         for req, reason, stop_reason in finished:
             self.finish_request(req.request_id, reason, stop_reason)
+        for o in outputs:
+            leaving = self.requests.get(o.request_id)
+            if o.finish_reason is None and leaving is not None and self._hands_off(leaving):
+                o.kv_transfer, o.finish_reason = self._hand_off(leaving), FinishReason.LENGTH
         return outputs
 
     def _commit_verified(
@@ -391,10 +396,8 @@ class EngineCore:
         update = self.scheduler.append_tokens(req, [res])
         self.stats.generation_tokens += 1
         reason, handoff = update.reason, None
-        if reason is None and req.remote_decode and isinstance(self.role, PrefillRole):
-            del self.requests[req.request_id]
-            handoff, reason = self.role.hand_off(req), FinishReason.LENGTH
-            req.finish(reason)
+        if reason is None and self._hands_off(req):
+            handoff, reason = self._hand_off(req), FinishReason.LENGTH
         elif reason is not None:
             self.finish_request(req.request_id, reason, update.stop_reason)
         out = EngineCoreOutput(
@@ -409,6 +412,16 @@ class EngineCore:
         if len(req.output_token_ids) == 1:
             out.prompt_logprobs = prompt_logprobs_of(req)
         return out
+
+    def _hands_off(self, req: Request) -> bool:
+        """Prefill worker: ``req`` leaves for a decode worker once it has its first token."""
+        return req.remote_decode and isinstance(self.role, PrefillRole)
+
+    def _hand_off(self, req: Request) -> KvHandoff:
+        assert isinstance(self.role, PrefillRole)
+        del self.requests[req.request_id]
+        req.finish(FinishReason.LENGTH)
+        return self.role.hand_off(req)
 
     def _count_finish(self, reason: FinishReason) -> None:
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
