@@ -8,6 +8,7 @@ compressor-state rows). The block that position starts, if it starts one, is emp
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -69,6 +70,21 @@ def unpack(pools: BlockPoolSet, tables: dict[str, list[int]], num_tokens: int, b
             t.index_copy_(0, rows.to(t.device), part.to(t.device))
             offset += n
     assert offset == buffer.numel(), "the handoff buffer does not match the plan"
+
+
+def checksums(plan: CachePlan, num_tokens: int, buffer: torch.Tensor) -> dict[str, int]:
+    """CRC-32 of each group's part of a buffer made by ``pack`` (on a GPU: after a copy to the host)."""
+    data = buffer.cpu().numpy().data  # a memoryview: slices copy nothing
+    out, offset = {}, 0
+    for name, n in handoff_bytes(plan, num_tokens).items():
+        out[name] = zlib.crc32(data[offset : offset + n])
+        offset += n
+    return out
+
+
+def corrupt_groups(plan: CachePlan, num_tokens: int, buffer: torch.Tensor, sent: dict[str, int]) -> list[str]:
+    """The groups whose received part does not match the sender's checksum."""
+    return [g for g, crc in checksums(plan, num_tokens, buffer).items() if sent.get(g) != crc]
 
 
 def buffer_size(plan: CachePlan, num_tokens: int) -> int:

@@ -23,6 +23,7 @@ class KvHandoff:
     control: str  # the prefill worker's ZMQ control endpoint
     store: str  # host:port of its TCPStore
     num_tokens: int  # computed tokens (the prompt); the first generated token is not computed yet
+    plan: str = ""  # the sender's plan fingerprint (digest): blocks only mean something under it
     seed: int | None = None
     offset: int = 0
     generator_state: bytes | None = None

@@ -37,9 +37,13 @@ class PlanFingerprint:
     dtype: str
     block_tokens: int
     groups: tuple[str, ...]  # one line per group: name, kind, stride, window, rows, layers, fields
+    kv_cache_dtype: str = "auto"
+    draft_groups: tuple[str, ...] = ()  # a speculative drafter's groups (the MTP window)
 
     @classmethod
-    def of(cls, plan: CachePlan, model_folder: str, dtype: torch.dtype) -> PlanFingerprint:
+    def of(
+        cls, plan: CachePlan, model_folder: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> PlanFingerprint:
         config = Path(model_folder) / "config.json"
         model = hashlib.sha256(config.read_bytes() if config.is_file() else model_folder.encode()).hexdigest()
         groups = tuple(
@@ -48,26 +52,50 @@ class PlanFingerprint:
             f"fields={','.join(f'{f.name}:{f.width}:{f.dtype}' for f in g.spec.fields)}"
             for g in plan.groups
         )
-        return cls(model[:16], str(dtype).removeprefix("torch."), plan.block_tokens, groups)
+        drafts = tuple(g.spec.name for g in plan.groups if g.spec.draft)
+        dtype_name = str(dtype).removeprefix("torch.")
+        return cls(model[:16], dtype_name, plan.block_tokens, groups, kv_cache_dtype, drafts)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
+    def digest(self) -> str:
+        """A short name of this plan, carried by every handoff record."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
     @classmethod
     def from_json(cls, text: str) -> PlanFingerprint:
         data = json.loads(text)
-        return cls(data["model"], data["dtype"], int(data["block_tokens"]), tuple(data["groups"]))
+        groups = tuple(data["groups"])
+        kv, drafts = str(data.get("kv_cache_dtype", "auto")), tuple(data.get("draft_groups", ()))
+        return cls(data["model"], data["dtype"], int(data["block_tokens"]), groups, kv, drafts)
 
     def mismatch(self, other: PlanFingerprint) -> str | None:
         """Why blocks of ``other``'s plan cannot be read under this one, or None if they can."""
         if self.model != other.model:
-            return f"the workers serve different models (config {self.model} vs {other.model})"
+            return (
+                f"the workers serve different models (config.json sha256 {self.model} vs {other.model}); "
+                f"pass the same --model"
+            )
         if self.dtype != other.dtype:
             return f"the workers' cache dtypes differ ({self.dtype} vs {other.dtype}); pass the same --dtype"
+        if self.kv_cache_dtype != other.kv_cache_dtype:
+            return (
+                f"the workers' KV cache dtypes differ ({self.kv_cache_dtype} vs {other.kv_cache_dtype}); "
+                f"pass the same --kv-cache-dtype"
+            )
         if self.block_tokens != other.block_tokens:
             return (
                 f"the workers' block sizes differ ({self.block_tokens} vs {other.block_tokens} tokens); "
                 f"pass the same --block-tokens"
+            )
+        if bool(self.draft_groups) != bool(other.draft_groups):
+            names = ", ".join(self.draft_groups or other.draft_groups)
+            holder = "this worker" if self.draft_groups else "its peer"
+            return (
+                f"only {holder} keeps the draft window ({names}); "
+                f"pass the same --speculative-config to both (the prefill side fills the window the decode "
+                f"side drafts from)"
             )
         if self.groups != other.groups:
             ours, theirs = set(self.groups), set(other.groups)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -24,7 +24,16 @@ import torch.distributed as dist
 import zmq
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
-from hybridserve.kv_transfer.handoff import Transfer, handoff_bytes, pack, post_recv, post_send, unpack
+from hybridserve.kv_transfer.handoff import (
+    Transfer,
+    checksums,
+    corrupt_groups,
+    handoff_bytes,
+    pack,
+    post_recv,
+    post_send,
+    unpack,
+)
 from hybridserve.kv_transfer.records import HandoffError, HandoffStats, KvHandoff
 from hybridserve.kv_transfer.transfer_group import (
     DECODE_RANK,
@@ -65,6 +74,7 @@ class PullReply(msgspec.Struct, tag="pulled"):
     ok: bool
     message: str = ""
     reconnect: bool = False  # the pair's transport broke: pull again over a new connection
+    checksums: dict[str, int] = {}  # CRC-32 of each cache group's part of the buffer, as sent
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -136,7 +146,7 @@ class KvSender(_HandoffEnd):
         """Keep ``request_id``'s blocks (its coordinator tables) for a decode worker to pull."""
         self.held[request_id] = _Held(num_tokens, time.monotonic() + self.timeout_s)
         self.stats.events += 1
-        return KvHandoff(request_id, self.control, self.store_address, num_tokens)
+        return KvHandoff(request_id, self.control, self.store_address, num_tokens, self.fingerprint.digest())
 
     def release(self, request_id: str) -> bool:
         """Give up a held request's blocks (aborted, or finished by a stop string); False if not held."""
@@ -210,6 +220,7 @@ class KvSender(_HandoffEnd):
                 f"{message.handle} holds {held.num_tokens} tokens, not {message.num_tokens}",
             )
         buffer = pack(self.coordinator.pools, self.coordinator.block_tables(message.handle), held.num_tokens)
+        sums = checksums(self.coordinator.plan, held.num_tokens, buffer)
         self.coordinator.release(message.handle)  # the buffer owns a copy; cached blocks stay evictable
         self.stats.events += 1
         try:
@@ -220,7 +231,7 @@ class KvSender(_HandoffEnd):
             log.warning("sending %s failed: %s", message.handle, exc)
             return PullReply(message.handle, False, f"sending {message.handle} failed: {exc}", reconnect=True)
         self.sending.append(_Send(message.handle, transfer, time.monotonic(), held.num_tokens))
-        return PullReply(message.handle, True)
+        return PullReply(message.handle, True, checksums=sums)
 
     def _finish_sends(self) -> None:
         for send in [s for s in self.sending if s.transfer.done()]:
@@ -253,6 +264,7 @@ class _Import:
     deadline: float
     started: float
     transfer: Transfer | None = None
+    checksums: dict[str, int] = field(default_factory=dict)  # the sender's, from its PullReply
 
 
 class KvReceiver(_HandoffEnd):
@@ -284,6 +296,12 @@ class KvReceiver(_HandoffEnd):
         Raises HandoffError (or FingerprintMismatch) when the prefill worker cannot be reached or refused.
         """
         peer = self._peer(handoff)
+        if handoff.plan and handoff.plan != self.fingerprint.digest():
+            raise FingerprintMismatch(
+                f"the blocks of {handoff.handle} were made under another cache plan ({handoff.plan}) than "
+                f"this worker's ({self.fingerprint.digest()}): was the prefill worker at {handoff.control} "
+                "restarted with other flags?"
+            )
         self._tags = (self._tags + 1) % _TAG_SPACE
         now = time.monotonic()
         self.imports[request_id] = _Import(handoff.control, handoff, self._tags, now + self.timeout_s, now)
@@ -347,6 +365,7 @@ class KvReceiver(_HandoffEnd):
             if request_id is None or not isinstance(reply, PullReply):
                 continue
             imp = self.imports[request_id]
+            imp.checksums = reply.checksums
             if not reply.ok:
                 self.imports.pop(request_id)
                 self.stats.failed += 1
@@ -363,6 +382,15 @@ class KvReceiver(_HandoffEnd):
         except RuntimeError as exc:
             return self._fail(request_id, f"the transfer failed: {exc}")
         self.imports.pop(request_id)
+        corrupt = corrupt_groups(self.coordinator.plan, imp.handoff.num_tokens, buffer, imp.checksums)
+        if corrupt:  # the transport is fine (the bytes arrived): fail this request, keep the pair
+            self.stats.failed += 1
+            self.stats.corrupt += 1
+            log.error("the KV handoff of %s arrived corrupted in groups %s", request_id, corrupt)
+            return (
+                f"the KV handoff from the prefill worker at {imp.peer} arrived corrupted: the checksums of "
+                f"cache groups {', '.join(corrupt)} do not match the sender's"
+            )
         unpack(
             self.coordinator.pools, self.coordinator.block_tables(request_id), imp.handoff.num_tokens, buffer
         )

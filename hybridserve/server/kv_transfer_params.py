@@ -104,6 +104,7 @@ def _handoff_from_json(data: dict[str, Any]) -> KvHandoff:
         control=str(data["control"]),
         store=str(data["store"]),
         num_tokens=int(data["num_tokens"]),
+        plan=str(data.get("plan", "")),
         seed=data.get("seed"),
         offset=int(data.get("offset", 0)),
         generator_state=base64.b64decode(state) if state else None,

@@ -138,6 +138,7 @@ def _handoff_metrics(h: HandoffStats) -> Iterator[Metric]:
     yield _counter("hybridserve_kv_handoff_transfers", "KV handoffs completed", h.transfers)
     yield _counter("hybridserve_kv_handoff_failures", "KV handoffs that failed", h.failed)
     yield _counter("hybridserve_kv_handoff_expired", "held blocks no decode worker pulled in time", h.expired)
+    yield _counter("hybridserve_kv_handoff_corrupt", "KV handoffs that failed their checksums", h.corrupt)
     yield _counter("hybridserve_kv_handoff_seconds", "pull to completion, summed over handoffs", h.seconds)
     moved = CounterMetricFamily("hybridserve_kv_handoff_bytes", "KV bytes moved", labels=["group"])
     for name, n in h.bytes_by_group.items():

@@ -22,6 +22,7 @@ import pytest
 
 from hybridserve.config import EngineConfig
 from tests.server.conftest import Server, spawn_server, wait_healthy
+from tests.server.disagg_faults import CORRUPT_TOKENS
 from tests.server.test_disagg import ENGINE, Router, _choices, _post, _router_thread, _wait_router
 
 EXPERT_PARALLEL = ("--data-parallel-size", "2", "--enable-expert-parallel")
@@ -50,7 +51,10 @@ def _stop(servers: list[Server]) -> None:
 @pytest.fixture(scope="module")
 def sides(tiny_checkpoint: Callable[[str], Path]) -> Iterator[Sides]:
     folder = tiny_checkpoint("mixed")
-    prefill = spawn_server(folder, "--disaggregation-mode", "prefill", *EXPERT_PARALLEL, *ENGINE)
+    prefill = spawn_server(
+        folder, "--disaggregation-mode", "prefill", *EXPERT_PARALLEL, *ENGINE,
+        plugins="tests.server.disagg_faults:corrupt_transfer",
+    )  # fmt: skip
     decode = spawn_server(folder, "--disaggregation-mode", "decode", *EXPERT_PARALLEL, *ENGINE)
     single = spawn_server(folder, "--disaggregation-mode", "decode", *ENGINE)
     servers = [prefill, decode, single]
@@ -100,6 +104,27 @@ def test_disaggregated_expert_parallel_equals_one_process(sides: Sides, shape: s
     for side in sides_with_ranks:  # every rank of each 2-rank side handed off
         done = {k: v for k, v in side.metrics().items() if "dp_rank_kv_handoff_transfers" in k}
         assert len(done) == 2 and all(v > 0 for v in done.values()), done
+
+
+def test_a_corrupted_handoff_fails_its_request_cleanly_and_is_counted(sides: Sides) -> None:
+    """One byte changes on the way from a prefill rank: the decode rank checks every group's checksum
+    before the request runs, fails it with a JSON error, frees its blocks and serves the next request."""
+    body = {"model": sides.single.model, "prompt": list(range(10, 10 + CORRUPT_TOKENS)), "max_tokens": 5}
+    body["temperature"] = 0
+    answer = _post(
+        sides.prefill.url, "/v1/completions", dict(body, kv_transfer_params={"do_remote_decode": True})
+    )
+    assert answer.status_code == 200, answer.text
+    params = answer.json()["kv_transfer_params"]
+    r = _post(sides.decode.url, "/v1/completions", dict(body, kv_transfer_params=params))
+    assert r.status_code >= 500 and "corrupted" in r.json()["error"]["message"], r.text
+    assert sides.decode.metrics()["hybridserve_kv_handoff_corrupt_total"] == 1
+    for s in (sides.prefill, sides.decode):
+        s.wait_idle(timeout=15)
+    body["prompt"] = body["prompt"][:-1]  # the same pair goes on
+    assert _choices(_post(sides.routers["2x2"].url, "/v1/completions", body).json()) == _choices(
+        _post(sides.single.url, "/v1/completions", body).json()
+    )
 
 
 def test_each_rank_of_a_side_gets_its_own_bootstrap_port() -> None:

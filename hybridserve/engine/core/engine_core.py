@@ -89,7 +89,7 @@ class EngineCore:
             config.disaggregation_mode,
             self.coordinator,
             self.scheduler,
-            lambda: PlanFingerprint.of(self.plan, config.model, self.dtype),
+            lambda: PlanFingerprint.of(self.plan, config.model, self.dtype, config.kv_cache_dtype),
             self.device,
             config.disaggregation_bootstrap_host,
             config.rank_bootstrap_port,
