@@ -1,4 +1,4 @@
-"""Command line: ``hybridserve serve | router | generate | plan | quantize | bench``."""
+"""Command line: ``hybridserve serve | launch | router | generate | plan | quantize | bench``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from hybridserve.router.topology import run_launch
+
+    return run_launch(args, args.engine_flags)
+
+
 def _set_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
@@ -164,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
             from hybridserve.server.args import add_server_args
 
             add_server_args(p)
+    launch = sub.add_parser(
+        "launch",
+        help="start a router, a prefill side and a decode side (other flags go to both sides' serve)",
+    )
+    from hybridserve.router.topology import add_launch_args
+
+    add_launch_args(launch)
+    launch.set_defaults(fn=cmd_launch)
     router = sub.add_parser("router", help="route the OpenAI API to prefill and decode workers")
     from hybridserve.router.launch import add_router_args
 
@@ -183,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.engine_flags = extra  # launch: engine and server flags for both sides
     try:
         return int(args.fn(args))
     except (ValueError, OSError) as exc:

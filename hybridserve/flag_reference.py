@@ -84,6 +84,7 @@ SECTIONS = {
     "serve": "Server flags (`hybridserve serve`, besides the engine flags)",
     "generate": "`hybridserve generate` (besides the engine flags)",
     "plan": "`hybridserve plan` (besides the engine flags)",
+    "launch": "`hybridserve launch` (other flags go to both sides' `hybridserve serve`)",
     "router": "`hybridserve router`",
     "quantize": "`hybridserve quantize`",
 }
@@ -98,7 +99,8 @@ def render() -> str:
     engine |= {"--no-" + flag[2:] for flag in engine}
     lines = [HEADER, "## Engine flags", "", *engine_table(), ""]
     for name, title in SECTIONS.items():
-        lines += [f"## {title}", "", *parser_table(commands[name], engine), ""]
+        own = set() if name == "launch" else engine  # launch's engine-named flags are its own
+        lines += [f"## {title}", "", *parser_table(commands[name], own), ""]
     for name, parser in _subparsers(commands["bench"]).items():
         lines += [f"## `hybridserve bench {name}`", "", *parser_table(parser, set()), ""]
     return "\n".join(lines)
