@@ -37,4 +37,4 @@ class HandoffStats:
     corrupt: int = 0  # received blocks whose checksum did not match the sender's
     bytes_by_group: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    events: int = 0  # blocks held, pulled, released or received: the pools changed between steps
+    events: int = 0  # blocks held, pulled, released, sent or received: a new snapshot is due

@@ -236,6 +236,7 @@ class KvSender(_HandoffEnd):
     def _finish_sends(self) -> None:
         for send in [s for s in self.sending if s.transfer.done()]:
             self.sending.remove(send)
+            self.stats.events += 1  # the counts change: a new snapshot is due
             try:
                 send.transfer.result()
                 _count(self.stats, self.coordinator, send.num_tokens, time.monotonic() - send.started)
