@@ -24,6 +24,7 @@ class KvHandoff:
     store: str  # host:port of its TCPStore
     num_tokens: int  # computed tokens (the prompt); the first generated token is not computed yet
     plan: str = ""  # the sender's plan fingerprint (digest): blocks only mean something under it
+    bytes_by_group: dict[str, int] = field(default_factory=dict)  # what the pull moves, per cache group
     seed: int | None = None
     offset: int = 0
     generator_state: bytes | None = None

@@ -146,7 +146,14 @@ class KvSender(_HandoffEnd):
         """Keep ``request_id``'s blocks (its coordinator tables) for a decode worker to pull."""
         self.held[request_id] = _Held(num_tokens, time.monotonic() + self.timeout_s)
         self.stats.events += 1
-        return KvHandoff(request_id, self.control, self.store_address, num_tokens, self.fingerprint.digest())
+        return KvHandoff(
+            request_id,
+            self.control,
+            self.store_address,
+            num_tokens,
+            self.fingerprint.digest(),
+            bytes_by_group=handoff_bytes(self.coordinator.plan, num_tokens),
+        )
 
     def release(self, request_id: str) -> bool:
         """Give up a held request's blocks (aborted, or finished by a stop string); False if not held."""

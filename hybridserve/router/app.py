@@ -27,7 +27,7 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve import __version__
 from hybridserve.router.workers import Worker, WorkerDown, WorkerPool, health_loop, mark_down
 from hybridserve.server.errors import APIError, error_body, error_response, install_error_handlers
-from hybridserve.server.kv_transfer_params import PARAM, handles
+from hybridserve.server.kv_transfer_params import PARAM, handles, handoff_bytes
 from hybridserve.server.limits import BodySizeLimit
 from hybridserve.server.streams import sse, unless_disconnected
 
@@ -80,6 +80,13 @@ class RouterMetrics:
         self.prefill_seconds = Histogram(
             "hybridserve_router_prefill_seconds", "time to the prefill worker's answer", registry=r
         )
+        self.handoff_bytes = Counter(
+            "hybridserve_router_handoff_bytes", "KV bytes handed to decode workers", ["group"], registry=r
+        )
+
+    def observe_handoff(self, params: dict[str, Any]) -> None:
+        for group, n in handoff_bytes(params).items():
+            self.handoff_bytes.labels(group).inc(n)
 
 
 @dataclass
@@ -146,6 +153,7 @@ class Router:
                 f"(start it with --disaggregation-mode prefill)",
                 code="worker_failed",
             )
+        self.metrics.observe_handoff(params)
         return _Prefilled(worker, params)
 
     async def _post(

@@ -84,6 +84,16 @@ def _entry(out: RequestOutput) -> dict[str, Any]:
     return entry
 
 
+def handoff_bytes(params: dict[str, Any]) -> dict[str, int]:
+    """Bytes a prefill worker's answer will move, per cache group (summed over its choices)."""
+    out: dict[str, int] = {}
+    for entry in params.get("requests") or []:
+        moved = entry.get("handoff", {}).get("bytes_by_group", {}) if isinstance(entry, dict) else {}
+        for group, n in moved.items() if isinstance(moved, dict) else ():
+            out[group] = out.get(group, 0) + int(n)
+    return out
+
+
 def handles(params: dict[str, Any]) -> list[str]:
     """The prefill worker's handles in an answer (to release them when no decode worker will pull)."""
     entries = params.get("requests") or []
@@ -105,6 +115,7 @@ def _handoff_from_json(data: dict[str, Any]) -> KvHandoff:
         store=str(data["store"]),
         num_tokens=int(data["num_tokens"]),
         plan=str(data.get("plan", "")),
+        bytes_by_group={str(g): int(n) for g, n in (data.get("bytes_by_group") or {}).items()},
         seed=data.get("seed"),
         offset=int(data.get("offset", 0)),
         generator_state=base64.b64decode(state) if state else None,

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from hybridserve.bench.server_process import parse_metrics
 from hybridserve.config import EngineConfig
 from tests.server.conftest import Server, spawn_server, wait_healthy
 from tests.server.disagg_faults import CORRUPT_TOKENS
@@ -100,6 +102,9 @@ def test_disaggregated_expert_parallel_equals_one_process(sides: Sides, shape: s
     assert _all_at_once(sides.routers[shape].url, bodies) == reference
     for s in (sides.prefill, sides.decode, sides.single):
         s.wait_idle(timeout=15)
+    routed = parse_metrics(httpx.get(f"{sides.routers[shape].url}/metrics").text)
+    moved = {k: v for k, v in routed.items() if k.startswith("hybridserve_router_handoff_bytes_total")}
+    assert moved and all(v > 0 for v in moved.values()), routed  # every group, as the router saw it
     sides_with_ranks = [sides.prefill, sides.decode] if shape == "2x2" else [sides.prefill]
     for side in sides_with_ranks:  # every rank of each 2-rank side handed off
         done = {k: v for k, v in side.metrics().items() if "dp_rank_kv_handoff_transfers" in k}
@@ -125,6 +130,25 @@ def test_a_corrupted_handoff_fails_its_request_cleanly_and_is_counted(sides: Sid
     assert _choices(_post(sides.routers["2x2"].url, "/v1/completions", body).json()) == _choices(
         _post(sides.single.url, "/v1/completions", body).json()
     )
+
+
+def test_blocks_no_decode_rank_will_pull_are_released_on_every_prefill_rank(sides: Sides) -> None:
+    """The router's ``/v1/kv/release`` (a request that ended before its pull) reaches the rank holding each
+    handle, long before the handoff timeout would free them."""
+    prompts = [[(3 * i + k) % 250 + 5 for i in range(20 + k)] for k in range(4)]  # both ranks hold some
+    bodies = [
+        ("/v1/completions", {"model": sides.single.model, "prompt": p, "max_tokens": 4, "temperature": 0,
+                             "kv_transfer_params": {"do_remote_decode": True}})
+        for p in prompts
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: _post(sides.prefill.url, *b), bodies))
+    handles = [e["handoff"]["handle"] for a in answers for e in a.json()["kv_transfer_params"]["requests"]]
+    assert len(handles) == len(prompts) and sides.prefill.kv_blocks_used() > 0
+    released = _post(sides.prefill.url, "/v1/kv/release", {"handles": handles})
+    assert released.status_code == 200, released.text
+    sides.prefill.wait_idle(timeout=3)  # the handoff timeout is 5 s
+    assert sides.prefill.metrics()["hybridserve_kv_handoff_expired_total"] == 0
 
 
 def test_each_rank_of_a_side_gets_its_own_bootstrap_port() -> None:
