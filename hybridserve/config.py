@@ -171,7 +171,7 @@ class DisaggregationConfig:
 
     mode: str | None
     bootstrap_host: str
-    bootstrap_port: int
+    bootstrap_port: int  # this rank's (each rank of a side hands off on its own; 0: a free one)
     kv_transfer_timeout: float
 
 
@@ -437,7 +437,7 @@ class EngineConfig:
         return DisaggregationConfig(
             self.disaggregation_mode,
             self.disaggregation_bootstrap_host,
-            self.disaggregation_bootstrap_port,
+            self.rank_bootstrap_port,
             self.kv_transfer_timeout,
         )
 

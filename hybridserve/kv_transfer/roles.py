@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
+from hybridserve.config import DisaggregationConfig
 from hybridserve.engine.core.scheduler import Scheduler
 from hybridserve.engine.request import Request
 from hybridserve.kv_transfer.records import HandoffStats, KvHandoff
@@ -163,21 +164,19 @@ Role = PrefillRole | DecodeRole
 
 
 def build_role(
-    mode: str | None,
+    config: DisaggregationConfig,
     coordinator: KvCacheCoordinator,
     scheduler: Scheduler,
     fingerprint: Callable[[], PlanFingerprint],
     device: torch.device,
-    host: str,
-    port: int,
-    timeout_s: float,
-    max_num_seqs: int,
 ) -> Role | None:
-    if mode is None:
+    """This engine's side of a disaggregated deployment, if it is one."""
+    host, port, timeout_s = config.bootstrap_host, config.bootstrap_port, config.kv_transfer_timeout
+    if config.mode is None:
         return None
-    if mode == "prefill":
+    if config.mode == "prefill":
         return PrefillRole(KvSender(coordinator, fingerprint(), device, host, port, timeout_s), scheduler)
-    if mode == "decode":
+    if config.mode == "decode":
         receiver = KvReceiver(coordinator, fingerprint(), device, timeout_s)
-        return DecodeRole(receiver, scheduler, coordinator, max_num_seqs)
-    raise ValueError(f"unknown disaggregation mode {mode!r}; choose prefill or decode")
+        return DecodeRole(receiver, scheduler, coordinator, scheduler.max_num_seqs)
+    raise ValueError(f"unknown disaggregation mode {config.mode!r}; choose prefill or decode")

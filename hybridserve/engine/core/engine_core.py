@@ -86,15 +86,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.role = build_role(
-            config.disaggregation_mode,
+            config.disaggregation_config,
             self.coordinator,
             self.scheduler,
             lambda: PlanFingerprint.of(self.plan, config.model, self.dtype, config.kv_cache_dtype),
             self.device,
-            config.disaggregation_bootstrap_host,
-            config.rank_bootstrap_port,
-            config.kv_transfer_timeout,
-            config.max_num_seqs,
         )
         self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
 
