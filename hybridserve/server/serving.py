@@ -18,7 +18,13 @@ from hybridserve.engine.request import Logprob, Request, RequestOutput, RequestO
 from hybridserve.server.constraints import structured_outputs
 from hybridserve.server.errors import APIError
 from hybridserve.server.kv_transfer_params import apply_kv_transfer
-from hybridserve.server.protocol import PromptLogprob, PromptTokensDetails, Usage, _SamplingFields
+from hybridserve.server.protocol import (
+    MAX_LOGPROBS,
+    PromptLogprob,
+    PromptTokensDetails,
+    Usage,
+    _SamplingFields,
+)
 from hybridserve.server.streams import merge, unless_disconnected
 
 
@@ -36,6 +42,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # --reasoning-parser: split reasoning from content
     tool_call_parser: str | None = None  # --tool-call-parser; None: the tokenizer mode's own
     enable_auto_tool_choice: bool = False  # with a named parser: read calls when tool_choice is auto
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs / top_logprobs / prompt_logprobs (--max-logprobs)
 
 
 T = TypeVar("T")
@@ -63,6 +70,8 @@ def sampling_params(
         value = getattr(body, name)
         return value if value is not None else settings.generation_defaults.get(name, fallback)
 
+    _check_logprobs(settings, logprobs, "logprobs")
+    _check_logprobs(settings, body.prompt_logprobs, "prompt_logprobs")
     try:
         return SamplingParams(
             temperature=pick("temperature", 1.0),
@@ -89,12 +98,23 @@ def sampling_params(
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
+def _check_logprobs(settings: ServerSettings, n: int | None, param: str) -> None:
+    if n is not None and n > settings.max_logprobs:
+        raise APIError(
+            400,
+            f"{param} is {n} but this server returns at most {settings.max_logprobs} (--max-logprobs)",
+            param=param,
+            code="invalid_value",
+        )
+
+
 def check_model(body: Any, settings: ServerSettings, required: bool = True) -> None:
+    """404 ``model_not_found`` for a model this server does not serve, as OpenAI and vLLM answer."""
     if body.model is None and not required:
         return
     if body.model != settings.model_name and body.model not in settings.model_aliases:
         raise APIError(
-            400,
+            404,
             f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
             param="model",
             code="model_not_found",

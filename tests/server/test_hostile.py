@@ -92,7 +92,7 @@ OUT_OF_DOMAIN = [
     ({"prompt": [2**70]}, "prompt"),
     ({"prompt": [[1, 2], [3, VOCAB + 7]]}, "prompt"),
     ({"max_tokens": 2**70}, "max_tokens"),
-    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"n": 17}, "n"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
 ]
