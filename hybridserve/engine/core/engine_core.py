@@ -244,7 +244,7 @@ class EngineCore:
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
-            return self._fail_step(out, exc)
+            return self._isolate(out, exc)
         self.stats.consecutive_failures = 0
         outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
@@ -253,6 +253,19 @@ class EngineCore:
             self.coordinator.publish(req.request_id, req.all_token_ids, s.end)
             if s.samples:
                 outputs.append(self._append_token(req, next(results)))
+        return outputs
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """A failed step of several requests runs again one request at a time, so that only requests whose
+        own step fails are failed: one bad request never takes its batch-mates down. Safe because nothing
+        is committed before the step succeeds (a rerun writes the same KV slots again). Not with expert
+        parallelism: the ranks' collectives must pair up, so there a failed step is fatal anyway."""
+        if len(out.scheduled) == 1 or self.group is not None:
+            return self._fail_step(out, exc)
+        log.warning("a step of %d requests failed (%s); running each alone", len(out.scheduled), exc)
+        outputs: list[EngineCoreOutput] = []
+        for s in out.scheduled:
+            outputs += self._plain_step(SchedulerOutput(scheduled=[s]))
         return outputs
 
     def _between_steps(self) -> list[EngineCoreOutput]:
