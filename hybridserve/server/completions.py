@@ -46,10 +46,16 @@ def _items(body: CompletionRequest) -> list[str | list[int]]:
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
-    if any(not 0 <= t < vocab_size for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise APIError(
             400, f"{param} token ids must be in [0, {vocab_size})", param=param, code="invalid_prompt"
         )
+
+
+def checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    """A copy of ``ids``, once they are all in the vocabulary."""
+    check_ids(ids, vocab_size, param)
+    return list(ids)
 
 
 async def _prompts(
@@ -69,9 +75,8 @@ async def _prompts(
             ids.append(await off_loop(len(item), partial(tokenizer.encode, item)))
             texts.append(item)
         else:
-            check_ids(item, llm.vocab_size)
-            ids.append(list(item))
-            decode = partial(tokenizer.decode, list(item)) if tokenizer is not None else None
+            ids.append(await off_loop(len(item) * 4, partial(checked_ids, item, llm.vocab_size)))
+            decode = partial(tokenizer.decode, ids[-1]) if tokenizer is not None else None
             texts.append(await off_loop(len(item) * 4, decode) if decode is not None else None)
     return ids, texts
 

@@ -17,10 +17,13 @@ from hybridserve import __version__
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
 from hybridserve.engine.request import RequestOutput
+from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
+from hybridserve.server.gc_pause import freeze_startup_heap
 from hybridserve.server.limits import BodySizeLimit, could_be_cross_site_without_preflight
+from hybridserve.server.loop_lag import LoopLagMonitor
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.openapi import GENERATE_RESPONSES, TOKENIZE_RESPONSES, responses
 from hybridserve.server.protocol import (
@@ -48,6 +51,8 @@ class AppState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.metrics = ServerMetrics()
+        self.loop_lag = LoopLagMonitor(self.metrics.registry)
+        self.lag_task: asyncio.Task[None] | None = None
         self.llm: AsyncLLM | None = None
         self.load_error: BaseException | None = None
         self.draining = False
@@ -107,7 +112,9 @@ def build_app(
             llm.on_finish.append(_log_finished)
             llm.on_fatal.append(state.die)
             state.metrics.attach(llm)
+            freeze_startup_heap()
             state.llm = llm
+            state.lag_task = asyncio.create_task(state.loop_lag.run())  # start-up's own stalls not counted
             _log_startup(llm, settings)
         except Exception as exc:
             log.exception("could not start the engine")
@@ -119,10 +126,13 @@ def build_app(
         loading = asyncio.create_task(load())
         yield
         await asyncio.wait({loading})
+        if state.lag_task is not None:
+            state.lag_task.cancel()
         if state.llm is not None:
             await state.llm.shutdown()
 
     app = FastAPI(title="hybridserve", version=__version__, lifespan=lifespan)
+    app.router.route_class = OffLoopRoute  # bodies are decoded and validated off the event loop
     app.state.hs = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app, on_error=lambda status: state.metrics.rejected.labels(str(status)).inc())
@@ -181,14 +191,14 @@ def _routes(app: FastAPI, state: AppState) -> None:
     @app.post(
         "/tokenize", dependencies=guarded, response_model=TokenizeResponse, responses=TOKENIZE_RESPONSES
     )
-    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse((await tokenize(body, state.engine(), state.settings)).model_dump())
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return await tokenize(body, state.engine(), state.settings)
 
     @app.post(
         "/detokenize", dependencies=guarded, response_model=DetokenizeResponse, responses=TOKENIZE_RESPONSES
     )
-    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse((await detokenize(body, state.engine(), state.settings)).model_dump())
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return await detokenize(body, state.engine(), state.settings)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -23,17 +24,30 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 def _first_ill_formed(value: Any, path: str = "") -> str | None:
     """The path of the first string in ``value`` that is not valid UTF-8 (lone surrogates)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
+        return None if _well_formed(value) else path or "body"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
+        if not isinstance(item, str | list | dict):  # numbers: a list of 1M token ids is walked fast
+            continue
         bad = _first_ill_formed(item, f"{path}.{key}" if path else str(key))
         if bad is not None:
             return bad
     return None
+
+
+def _well_formed(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
 class _Strict(BaseModel):
@@ -49,7 +63,7 @@ class _Strict(BaseModel):
         if bad is not None:
             raise ValueError(f"{bad} is not valid UTF-8 text (it holds a lone surrogate)")
         if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            known = _known_fields(cls)
             unknown = sorted(str(k) for k in data if k not in known)
             if unknown:
                 log.warning("%s: ignoring unknown fields %s", cls.__name__, unknown[:16])
@@ -141,7 +155,8 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # ids first: pydantic's smart union picks the same member either way, 15x faster for 1M token ids
+    prompt: list[int] | list[list[int]] | str | list[str]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -17,6 +17,7 @@ from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.server.constraints import structured_outputs
 from hybridserve.server.errors import APIError
+from hybridserve.server.gc_pause import gc_paused
 from hybridserve.server.kv_transfer_params import apply_kv_transfer
 from hybridserve.server.protocol import (
     MAX_LOGPROBS,
@@ -132,8 +133,14 @@ def api_id(request_id: str) -> str:
 
 
 async def off_loop(size: int, work: Callable[[], T]) -> T:
-    """Run ``work`` inline when the input is small, else in a worker thread."""
-    return work() if size <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
+    """Run ``work`` inline when the input is small, else in a worker thread, with no garbage collection
+    meanwhile (a full one would hold the GIL, and so the loop, for 0.1 s or more)."""
+    return work() if size <= OFF_LOOP_CHARS else await asyncio.to_thread(_without_collecting, work)
+
+
+def _without_collecting(work: Callable[[], T]) -> T:
+    with gc_paused():
+        return work()
 
 
 def check_text_fits(llm: AsyncLLM, text: str, param: str) -> None:
