@@ -17,6 +17,7 @@ from hybridserve import __version__
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
 from hybridserve.engine.request import RequestOutput
+from hybridserve.engine.sample.structured_outputs import warm_grammar_checks
 from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
@@ -104,7 +105,9 @@ def build_app(
 
     async def load() -> None:
         try:
+            warm = asyncio.create_task(asyncio.to_thread(warm_grammar_checks))  # beside the engine's load
             llm = await asyncio.to_thread(make_engine, config)
+            await warm
             if settings.chat_template is not None and llm.tokenizer is not None:
                 llm.tokenizer.chat_template = settings.chat_template
                 llm.tokenizer.mode = "hf"  # a template given explicitly is what the user wants rendered

@@ -71,6 +71,7 @@ class EngineCore:
         self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
         self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
         self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
+        self.grammar_warm_up = self.structured.start_warm_up()  # beside the rest of start-up
         stop = StopChecker(self.structured, self.limits.max_request_tokens)
         self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()
