@@ -23,7 +23,7 @@ from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
 from hybridserve.server.gc_pause import freeze_startup_heap
-from hybridserve.server.limits import BodySizeLimit, could_be_cross_site_without_preflight
+from hybridserve.server.limits import BodySizeLimit, refuse_cross_site
 from hybridserve.server.loop_lag import LoopLagMonitor
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.openapi import GENERATE_RESPONSES, TOKENIZE_RESPONSES, responses
@@ -168,14 +168,7 @@ def _routes(app: FastAPI, state: AppState) -> None:
                 401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
             )
 
-    def same_site(request: HTTPRequest) -> None:
-        content_type = request.headers.get("content-type", "")
-        if could_be_cross_site_without_preflight(
-            request.method, content_type, "authorization" in request.headers
-        ):
-            raise APIError(415, "send Content-Type: application/json (or an Authorization header)")
-
-    guarded: Any = [Depends(auth), Depends(same_site)]
+    guarded: Any = [Depends(auth), Depends(refuse_cross_site)]
 
     @app.get("/health", responses=responses(503))
     async def health() -> JSONResponse:

@@ -14,6 +14,7 @@ _WHY = {
     415: "a POST that a browser could send cross-site: send Content-Type: application/json",
     429: "the queue is full; retry after Retry-After seconds",
     500: "the engine step serving the request failed (the engine went on)",
+    502: "the router's worker failed or answered out of protocol",
     503: "the engine is loading, shutting down or failed",
 }
 
@@ -46,3 +47,9 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = responses(400, 401, 404, 413, 415, 503)
+
+# The router answers what its workers answer, and 502 when one fails (a 503 when none is up).
+ROUTER_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **GENERATE_RESPONSES,
+    **responses(502),
+}
