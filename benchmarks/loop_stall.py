@@ -2,10 +2,11 @@
 body is posted, against its longest gap just before (same stream, same machine load).
 
 For each body (prompt of 1.4M token ids, 131k chat messages, /tokenize of 131k messages, /detokenize of
-1.3M and 400k ids) a stream runs (greedy, ignore_eos, up to the context length); once it has streamed
-WARM chunks, its gaps over BASELINE_S are the baseline, then the body is posted (bytes serialised up
-front) and the gaps until the answer came back, plus SETTLE_S, are the stall. Reported per body: the
-status, the baseline's and the stall's longest gap, and the server's hybridserve_event_loop_lag_max_seconds.
+1.3M and 400k ids, a served request for 20 prompt logprobs of 4,000 tokens: a 4 MiB answer) a stream
+runs (greedy, ignore_eos, up to the context length); once it has streamed WARM chunks, its gaps over
+BASELINE_S are the baseline, then the body is posted (bytes serialised up front) and the gaps until the
+answer came back, plus SETTLE_S, are the stall. Reported per body: the status, the baseline's and the
+stall's longest gap, and the server's hybridserve_event_loop_lag_max_seconds.
 
     python benchmarks/loop_stall.py --model hybridserve/assets/austen-v4 --out /tmp/loop_stall.json
     python benchmarks/loop_stall.py --base-url http://127.0.0.1:8000   # a server already running
@@ -50,6 +51,7 @@ def bodies(model: str) -> list[tuple[str, str, bytes]]:
         return json.dumps(obj, separators=(",", ":")).encode()
 
     messages = [{"role": "user", "content": "hi"}] * 131_000
+    logprobs = {"model": model, "prompt": [5] * 4_000, "max_tokens": 1, "prompt_logprobs": 20}  # served
     return [
         (
             "completions prompt of 1.4M ids",
@@ -60,6 +62,7 @@ def bodies(model: str) -> list[tuple[str, str, bytes]]:
         ("tokenize 131k messages", "/tokenize", dump({"model": model, "messages": messages})),
         ("detokenize 1.3M ids", "/detokenize", dump({"tokens": [5] * 1_300_000})),
         ("detokenize 400k ids", "/detokenize", dump({"tokens": [5] * 400_000})),
+        ("prompt_logprobs 20 of 4,000 tokens", "/v1/completions", dump(logprobs)),
     ]
 
 

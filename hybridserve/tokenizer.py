@@ -108,6 +108,7 @@ class Tokenizer:
         # Without a normalizer no token covers more input bytes than its own text has (byte-level
         # tokens spell a byte with a 1-2 byte character); a normalizer could delete input, so no bound.
         self._max_bytes_per_token = longest if self.hf.normalizer is None else None
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
     def _eos_ids(self, gen: dict[str, Any]) -> tuple[int, ...]:
         ids = gen.get("eos_token_id")
@@ -143,7 +144,11 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
-        return self.decode([token_id], skip_special_tokens=False)
+        """One token's text, remembered: logprobs name ~20 tokens per position, mostly the same ones."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

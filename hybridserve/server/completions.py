@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
@@ -25,9 +25,11 @@ from hybridserve.server.serving import (
     check_model,
     check_text_fits,
     final_outputs,
+    json_response,
     new_id,
     off_loop,
     prompt_logprobs_json,
+    response_size,
     sampling_params,
     start,
     usage,
@@ -148,13 +150,29 @@ async def create_completion(
     finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
         return Response(status_code=499)  # the client went away; its requests were aborted
+    build = partial(_response, body, base, settings.model_name, prompts, texts, finals, llm.tokenizer)
+    response = await off_loop(response_size(finals), build)
+    if requests[0].remote_decode:
+        response.kv_transfer_params = prefill_answer(finals)
+    return await off_loop(response_size(finals), partial(json_response, response))
+
+
+def _response(
+    body: CompletionRequest,
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    texts: list[str | None],
+    finals: list[RequestOutput],
+    tokenizer: Tokenizer | None,
+) -> CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
         c = out.outputs[0]
         echo = (texts[i // body.n] or "") if body.echo else ""
-        lp = _logprobs(c.logprobs, c.token_ids, llm.tokenizer, len(echo))
+        lp = _logprobs(c.logprobs, c.token_ids, tokenizer, len(echo))
         if echo and lp is not None and out.prompt_logprobs is not None:
-            lp = _joined(_prompt_logprobs(out, llm.tokenizer), lp)
+            lp = _joined(_prompt_logprobs(out, tokenizer), lp)
         choices.append(
             CompletionChoice(
                 index=i,
@@ -167,12 +185,7 @@ async def create_completion(
                 ),
             )
         )
-    response = CompletionResponse(
-        id=base, model=settings.model_name, choices=choices, usage=usage(prompts, finals, body.n)
-    )
-    if requests[0].remote_decode:
-        response.kv_transfer_params = prefill_answer(finals)
-    return JSONResponse(response.model_dump())
+    return CompletionResponse(id=base, model=model, choices=choices, usage=usage(prompts, finals, body.n))
 
 
 async def _stream(

@@ -105,9 +105,7 @@ def build_app(
 
     async def load() -> None:
         try:
-            warm = asyncio.create_task(asyncio.to_thread(warm_grammar_checks))  # beside the engine's load
             llm = await asyncio.to_thread(make_engine, config)
-            await warm
             if settings.chat_template is not None and llm.tokenizer is not None:
                 llm.tokenizer.chat_template = settings.chat_template
                 llm.tokenizer.mode = "hf"  # a template given explicitly is what the user wants rendered
@@ -126,6 +124,10 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Before serving, on this thread: importing xgrammar (it imports transformers, whose lazy module
+        # another thread must not import at the same time) costs ~1.3 s, which the first constrained
+        # request would otherwise spend on the event loop.
+        warm_grammar_checks()
         loading = asyncio.create_task(load())
         yield
         await asyncio.wait({loading})

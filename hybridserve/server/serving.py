@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
@@ -141,6 +143,18 @@ async def off_loop(size: int, work: Callable[[], T]) -> T:
 def _without_collecting(work: Callable[[], T]) -> T:
     with gc_paused():
         return work()
+
+
+def response_size(finals: list[RequestOutput]) -> int:
+    """About how many objects a final response is built from (logprob entries dominate), to weigh it
+    against OFF_LOOP_CHARS: 4,096 prompt tokens with 20 logprobs each take ~1.5 s to build and encode."""
+    entries = sum(len(o.prompt_logprobs or ()) + len(o.outputs[0].logprobs or ()) for o in finals)
+    return entries * 21 + sum(len(o.outputs[0].text) for o in finals)
+
+
+def json_response(model: BaseModel) -> Response:
+    """pydantic's own encoder: ~3x faster than json.dumps for a large answer (non-finite numbers: null)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def check_text_fits(llm: AsyncLLM, text: str, param: str) -> None:

@@ -18,12 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM
+from hybridserve.engine.request import CompletionOutput, Logprob, RequestOutput
 from hybridserve.server import body as body_module
 from hybridserve.server.body import INLINE_BYTES, parse, parse_off_loop
 from hybridserve.server.loop_lag import LoopLagMonitor
 from hybridserve.server.openai_api import build_app
 from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from hybridserve.server.serving import ServerSettings
+from hybridserve.server.serving import OFF_LOOP_CHARS, ServerSettings, response_size
 from hybridserve.tokenizer import Tokenizer
 from tests.server.conftest import Server
 
@@ -166,3 +167,12 @@ def test_parsing_a_large_body_off_the_loop_lets_the_loop_run(model: Any, body: d
     raw = json.dumps(body).encode()
     worst, took = asyncio.run(_worst_gap(lambda: parse_off_loop(raw, model)))
     assert worst < 0.5 * took, (worst, took)
+
+
+def test_a_response_with_many_logprobs_is_built_off_the_loop() -> None:
+    entry = {t: Logprob(-1.0, t + 1) for t in range(21)}
+    out = RequestOutput("r", None, [5] * 4_000, [CompletionOutput(0, "x", [6], None, None)], finished=True)
+    out.prompt_logprobs = [None] + [entry] * 3_999  # 20 prompt logprobs over 4,000 tokens: ~1.5 s to build
+    assert response_size([out]) > OFF_LOOP_CHARS
+    out.prompt_logprobs = None
+    assert response_size([out]) <= OFF_LOOP_CHARS
