@@ -19,6 +19,12 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def thaw_heap() -> None:
+    """Undo ``freeze_startup_heap`` at shutdown, so that what it froze is finalised as the process ends
+    (extension types report frozen objects as leaks), and an app built again in one process starts clean."""
+    gc.unfreeze()
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No automatic collection while a large body is decoded and validated: it allocates ~1M objects and

@@ -22,7 +22,7 @@ from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
-from hybridserve.server.gc_pause import freeze_startup_heap
+from hybridserve.server.gc_pause import freeze_startup_heap, thaw_heap
 from hybridserve.server.limits import BodySizeLimit, refuse_cross_site
 from hybridserve.server.loop_lag import LoopLagMonitor
 from hybridserve.server.metrics import ServerMetrics
@@ -135,6 +135,7 @@ def build_app(
             state.lag_task.cancel()
         if state.llm is not None:
             await state.llm.shutdown()
+            thaw_heap()
 
     app = FastAPI(title="hybridserve", version=__version__, lifespan=lifespan)
     app.router.route_class = OffLoopRoute  # bodies are decoded and validated off the event loop
