@@ -96,7 +96,7 @@ def fuzzed(schema: BaseSchema) -> BaseSchema:
 
 def prepare(case: Case, model: str) -> None:
     """Make a generated request cheap to serve, leaving every generated field in place: a string `model`
-    names the served model (any other name is a 400 before anything else is looked at); numbers above
+    names the served model (any other name is a 404 before anything else is looked at); numbers above
     CAPS are capped (a value below stays, invalid ones included); a token limit of null (none: up to the
     context length) becomes MAX_TOKENS, and a chat request with no limit at all gets one."""
     body = case.body

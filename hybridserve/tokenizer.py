@@ -21,6 +21,9 @@ from hybridserve.chat_format.modes import ENCODER_FILE, resolve_mode
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
+# tokenizers' decode holds the GIL (~0.15 s for 1M ids); its decode_batch does not, but costs more to start.
+_GIL_HELD_IDS = 4096
+
 
 def _text(text: str) -> str:
     """Template text as a Jinja expression, so trim_blocks never eats its newlines."""
@@ -105,6 +108,7 @@ class Tokenizer:
         # Without a normalizer no token covers more input bytes than its own text has (byte-level
         # tokens spell a byte with a 1-2 byte character); a normalizer could delete input, so no bound.
         self._max_bytes_per_token = longest if self.hf.normalizer is None else None
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
     def _eos_ids(self, gen: dict[str, Any]) -> tuple[int, ...]:
         ids = gen.get("eos_token_id")
@@ -135,10 +139,16 @@ class Tokenizer:
         return -(-len(text.encode()) // self._max_bytes_per_token)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _GIL_HELD_IDS:  # decode_batch lets other threads (the event loop) run meanwhile
+            return str(self.hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
-        return self.decode([token_id], skip_special_tokens=False)
+        """One token's text, remembered: logprobs name ~20 tokens per position, mostly the same ones."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

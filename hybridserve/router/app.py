@@ -15,9 +15,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,10 +26,21 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve import __version__
+from hybridserve.router.forward import with_fields
 from hybridserve.router.workers import Worker, WorkerDown, WorkerPool, health_loop, mark_down
+from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.errors import APIError, error_body, error_response, install_error_handlers
 from hybridserve.server.kv_transfer_params import PARAM, handles, handoff_bytes
-from hybridserve.server.limits import BodySizeLimit
+from hybridserve.server.limits import BodySizeLimit, refuse_cross_site
+from hybridserve.server.openapi import ROUTER_GENERATE_RESPONSES, responses
+from hybridserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    _SamplingFields,
+)
 from hybridserve.server.streams import sse, unless_disconnected
 
 log = logging.getLogger("hybridserve.router")
@@ -108,26 +120,21 @@ class Router:
             limits=httpx.Limits(max_connections=None),
         )
 
-    async def generate(self, path: str, raw: HTTPRequest) -> Response:
-        try:
-            body = await raw.json()
-        except ValueError as exc:  # bad JSON, or bytes in no encoding JSON allows (UnicodeDecodeError)
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+    async def generate(self, path: str, body: _SamplingFields, raw: HTTPRequest) -> Response:
+        """``body`` has passed the server's own validation; the workers get the client's bytes as sent."""
+        sent = await raw.body()
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        stream = body.get("stream") is True
         if _max_tokens(body) == 1:  # the first token is the last: no handoff
-            return await self._send(self.prefill, path, body, headers, stream, raw)
-        prefilled = await unless_disconnected(raw, lambda: self._prefill(path, body, headers))
+            return await self._send(self.prefill, path, sent, headers, body.stream, raw)
+        prefilled = await unless_disconnected(raw, lambda: self._prefill(path, sent, headers))
         if prefilled is None:
             return Response(status_code=499)
         if isinstance(prefilled, Response):
             return prefilled
-        decode_body = {**body, PARAM: prefilled.params}
+        decode_body = with_fields(sent, {PARAM: prefilled.params})
         release = self._releaser(prefilled, headers)
         try:
-            response = await self._send(self.decode, path, decode_body, headers, stream, raw, release)
+            response = await self._send(self.decode, path, decode_body, headers, body.stream, raw, release)
         except BaseException:
             release()
             raise
@@ -135,13 +142,10 @@ class Router:
             release()
         return response
 
-    async def _prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> _Prefilled | Response:
-        prefill_body = {**body, "stream": False, PARAM: {"do_remote_decode": True}}
-        prefill_body.pop("stream_options", None)
+    async def _prefill(self, path: str, sent: bytes, headers: dict[str, str]) -> _Prefilled | Response:
+        fields = {"stream": False, "stream_options": None, PARAM: {"do_remote_decode": True}}
         start = time.monotonic()
-        worker, resp = await self._post(self.prefill, path, prefill_body, headers)
+        worker, resp = await self._post(self.prefill, path, with_fields(sent, fields), headers)
         self.metrics.prefill_seconds.observe(time.monotonic() - start)
         if resp.status_code != 200:
             return _passthrough(resp)
@@ -157,10 +161,11 @@ class Router:
         return _Prefilled(worker, params)
 
     async def _post(
-        self, pool: WorkerPool, path: str, body: dict[str, Any], headers: dict[str, str]
+        self, pool: WorkerPool, path: str, content: bytes, headers: dict[str, str]
     ) -> tuple[Worker, httpx.Response]:
         async def post(worker: Worker) -> httpx.Response:
-            return await worker.guard(self.client.post(f"{worker.url}{path}", json=body, headers=headers))
+            url = f"{worker.url}{path}"
+            return await worker.guard(self.client.post(url, content=content, headers=headers))
 
         return await self._with_worker(pool, post)
 
@@ -187,18 +192,19 @@ class Router:
         self,
         pool: WorkerPool,
         path: str,
-        body: dict[str, Any],
+        content: bytes,
         headers: dict[str, str],
         stream: bool,
         raw: HTTPRequest,
         on_error: Callable[[], None] = lambda: None,
     ) -> Response:
         if not stream:
-            result = await unless_disconnected(raw, lambda: self._post(pool, path, body, headers))
+            result = await unless_disconnected(raw, lambda: self._post(pool, path, content, headers))
             return Response(status_code=499) if result is None else _passthrough(result[1])
 
         async def open_stream(worker: Worker) -> httpx.Response:
-            request = self.client.build_request("POST", f"{worker.url}{path}", json=body, headers=headers)
+            url = f"{worker.url}{path}"
+            request = self.client.build_request("POST", url, content=content, headers=headers)
             return await worker.guard(self.client.send(request, stream=True))
 
         worker, resp = await self._with_worker(pool, open_stream)
@@ -269,7 +275,7 @@ class Router:
 
     async def abort(self, request_id: str, raw: HTTPRequest) -> Response:
         """Forward an abort to every worker that is up: the id names a request on one of them."""
-        answers = await self._broadcast(f"/v1/requests/{request_id}/abort", raw)
+        answers = await self._broadcast(f"/v1/requests/{quote(request_id, safe='')}/abort", raw)
         found = next((r for r in answers if r.status_code == 200), None)
         if found is not None:
             return _passthrough(found)
@@ -298,8 +304,9 @@ async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
     return None
 
 
-def _max_tokens(body: dict[str, Any]) -> Any:
-    return body.get("max_completion_tokens") or body.get("max_tokens")
+def _max_tokens(body: _SamplingFields) -> int | None:
+    limit: int | None = getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None)
+    return limit
 
 
 def _passthrough(resp: httpx.Response) -> Response:
@@ -329,6 +336,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
         await router.close()
 
     app = FastAPI(title="hybridserve router", version=__version__, lifespan=lifespan)
+    app.router.route_class = OffLoopRoute  # the server's validation, off the event loop, as it does
     app.state.router = router
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
@@ -337,7 +345,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
 
 
 def _routes(app: FastAPI, router: Router) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=responses(503))
     async def health() -> JSONResponse:
         """200 while at least one prefill and one decode worker are up, else 503."""
         up = {"prefill": router.prefill.num_up, "decode": router.decode.num_up}
@@ -346,34 +354,57 @@ def _routes(app: FastAPI, router: Router) -> None:
             return error_response(503, f"no {' and no '.join(down)} worker is up", code="no_worker_available")
         return JSONResponse({"status": "ok", "workers_up": up})
 
+    @app.head("/health", responses=responses(503))
+    async def health_head() -> JSONResponse:
+        return await health()  # the server sends the headers only
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=responses(401, 503))
     async def models(raw: HTTPRequest) -> Response:
         return await router.models(raw)
 
-    @app.post("/v1/requests/{request_id}/abort")
+    guarded: Any = [Depends(refuse_cross_site)]  # the workers check the API key the router forwards
+
+    @app.post(
+        "/v1/requests/{request_id}/abort", dependencies=guarded, responses=responses(401, 404, 415, 503)
+    )
     async def abort(request_id: str, raw: HTTPRequest) -> Response:
         return await router.abort(request_id, raw)
 
-    @app.post("/v1/cache/reset")
+    @app.post("/v1/cache/reset", dependencies=guarded, responses=responses(401, 415, 503))
     async def reset_cache(raw: HTTPRequest) -> Response:
         return await router.reset_cache(raw)
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_api_route(path, _generation(router, path), methods=["POST"])
+    counts = router.metrics
+
+    @app.post(
+        "/v1/completions",
+        dependencies=guarded,
+        response_model=CompletionResponse,
+        responses=ROUTER_GENERATE_RESPONSES,
+    )
+    async def completions(body: CompletionRequest, raw: HTTPRequest) -> Response:
+        return await _counted(counts, "/v1/completions", router.generate("/v1/completions", body, raw))
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=guarded,
+        response_model=ChatCompletionResponse,
+        responses=ROUTER_GENERATE_RESPONSES,
+    )
+    async def chat(body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
+        path = "/v1/chat/completions"
+        return await _counted(counts, path, router.generate(path, body, raw))
 
 
-def _generation(router: Router, path: str) -> Callable[[HTTPRequest], Awaitable[Response]]:
-    async def handle(raw: HTTPRequest) -> Response:
-        try:
-            response = await router.generate(path, raw)
-        except APIError as exc:
-            router.metrics.requests.labels(path, str(exc.status)).inc()
-            raise
-        router.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
-
-    return handle
+async def _counted(metrics: RouterMetrics, path: str, answer: Awaitable[Response]) -> Response:
+    try:
+        response = await answer
+    except APIError as exc:
+        metrics.requests.labels(path, str(exc.status)).inc()
+        raise
+    metrics.requests.labels(path, str(response.status_code)).inc()
+    return response

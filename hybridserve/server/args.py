@@ -7,6 +7,7 @@ import json
 import os
 
 from hybridserve.server.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+from hybridserve.server.protocol import MAX_LOGPROBS
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     parser.add_argument(
+        "--max-logprobs",
+        type=_max_logprobs,
+        default=MAX_LOGPROBS,
+        help=f"most logprobs / top_logprobs / prompt_logprobs a request may ask for (0 to {MAX_LOGPROBS})",
+    )
+    parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -75,3 +82,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="torch CPU threads (0: all cores but one, left to the HTTP event loop)",
     )
+
+
+def _max_logprobs(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_LOGPROBS}] (the sampler returns at most that)")
+    return n

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve.chat_format.dsml import THINK
@@ -38,8 +39,11 @@ from hybridserve.server.serving import (
     ServerSettings,
     check_model,
     final_outputs,
+    json_response,
     new_id,
+    off_loop,
     prompt_logprobs_json,
+    response_size,
     sampling_params,
     start,
     usage,
@@ -149,28 +153,30 @@ async def create_chat_completion(
     finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
         return Response(status_code=499)  # the client went away; its requests were aborted
-    choices = []
-    for i, o in enumerate(finals):
-        message, finish = _message_of(reading, o.outputs[0].text, o.outputs[0].finish_reason)
-        choices.append(
-            ChatChoice(
-                index=i,
-                message=message,
-                finish_reason=finish,
-                stop_reason=o.outputs[0].stop_reason,
-                logprobs=_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids, llm.tokenizer, top),
+
+    def build() -> ChatCompletionResponse:
+        choices = []
+        for i, o in enumerate(finals):
+            c = o.outputs[0]
+            message, finish = _message_of(reading, c.text, c.finish_reason)
+            lp = _logprobs(c.logprobs, c.token_ids, llm.tokenizer, top)
+            choices.append(
+                ChatChoice(
+                    index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason, logprobs=lp
+                )
             )
+        return ChatCompletionResponse(
+            id=base,
+            model=settings.model_name,
+            choices=choices,
+            usage=usage([ids], finals, body.n),
+            prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs) if finals else None,
         )
-    response = ChatCompletionResponse(
-        id=base,
-        model=settings.model_name,
-        choices=choices,
-        usage=usage([ids], finals, body.n),
-        prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs) if finals else None,
-    )
+
+    response = await off_loop(response_size(finals), build)  # 20 logprobs a token take long to build
     if requests[0].remote_decode:
         response.kv_transfer_params = prefill_answer(finals)
-    return JSONResponse(response.model_dump())
+    return await off_loop(response_size(finals), partial(json_response, response))
 
 
 async def _stream(

@@ -3,14 +3,13 @@ the checkpoint's conversation format; a 400 names the field or the message at fa
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from hybridserve.chat_format.deepseek_v4_history import HistoryError
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.server.errors import APIError
 from hybridserve.server.protocol import ChatMessage, Tool, _ChatPromptFields
-from hybridserve.server.serving import ServerSettings, check_text_fits, off_loop
+from hybridserve.server.serving import OFF_LOOP_CHARS, ServerSettings, check_text_fits, off_loop
 
 _V4_FLAGS = ("thinking", "enable_thinking", "drop_thinking")
 
@@ -99,14 +98,16 @@ async def render_messages(
     v4 = tokenizer.mode == "deepseek_v4"
     if extra.get("continue_final_message") and messages[-1].role != "assistant":
         raise APIError(400, "continue_final_message needs an assistant message last", "messages")
-    rendered = [_message(i, m, v4) for i, m in enumerate(messages)]
-    content = "".join(m["content"] for m in rendered)
-    check_text_fits(llm, content, "messages")
-    try:
-        return await off_loop(
-            len(content), partial(tokenizer.encode_chat, rendered, add_generation_prompt, **extra)
-        )
-    except HistoryError as exc:
-        raise APIError(400, str(exc), param=f"messages.{exc.index}") from exc
-    except Exception as exc:  # the template's raise_exception, text it cannot escape, or a template bug
-        raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from exc
+
+    def render() -> tuple[list[int], str]:  # all of it in a worker thread when the messages are many
+        rendered = [_message(i, m, v4) for i, m in enumerate(messages)]
+        check_text_fits(llm, "".join(m["content"] for m in rendered), "messages")
+        try:
+            return tokenizer.encode_chat(rendered, add_generation_prompt, **extra)
+        except HistoryError as exc:
+            raise APIError(400, str(exc), param=f"messages.{exc.index}") from exc
+        except Exception as exc:  # the template's raise_exception, text it cannot escape, or a template bug
+            raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from exc
+
+    size = sum(len(m.content) if isinstance(m.content, str) else 256 for m in messages[:64])
+    return await off_loop(size if len(messages) <= 64 else OFF_LOOP_CHARS + 1, render)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import partial
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
 from hybridserve.engine.async_llm import AsyncLLM
@@ -25,9 +25,11 @@ from hybridserve.server.serving import (
     check_model,
     check_text_fits,
     final_outputs,
+    json_response,
     new_id,
     off_loop,
     prompt_logprobs_json,
+    response_size,
     sampling_params,
     start,
     usage,
@@ -46,10 +48,16 @@ def _items(body: CompletionRequest) -> list[str | list[int]]:
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
-    if any(not 0 <= t < vocab_size for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise APIError(
             400, f"{param} token ids must be in [0, {vocab_size})", param=param, code="invalid_prompt"
         )
+
+
+def checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    """A copy of ``ids``, once they are all in the vocabulary."""
+    check_ids(ids, vocab_size, param)
+    return list(ids)
 
 
 async def _prompts(
@@ -69,9 +77,8 @@ async def _prompts(
             ids.append(await off_loop(len(item), partial(tokenizer.encode, item)))
             texts.append(item)
         else:
-            check_ids(item, llm.vocab_size)
-            ids.append(list(item))
-            decode = partial(tokenizer.decode, list(item)) if tokenizer is not None else None
+            ids.append(await off_loop(len(item) * 4, partial(checked_ids, item, llm.vocab_size)))
+            decode = partial(tokenizer.decode, ids[-1]) if tokenizer is not None else None
             texts.append(await off_loop(len(item) * 4, decode) if decode is not None else None)
     return ids, texts
 
@@ -143,13 +150,29 @@ async def create_completion(
     finals = await final_outputs(raw, outputs, len(requests))
     if finals is None:
         return Response(status_code=499)  # the client went away; its requests were aborted
+    build = partial(_response, body, base, settings.model_name, prompts, texts, finals, llm.tokenizer)
+    response = await off_loop(response_size(finals), build)
+    if requests[0].remote_decode:
+        response.kv_transfer_params = prefill_answer(finals)
+    return await off_loop(response_size(finals), partial(json_response, response))
+
+
+def _response(
+    body: CompletionRequest,
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    texts: list[str | None],
+    finals: list[RequestOutput],
+    tokenizer: Tokenizer | None,
+) -> CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
         c = out.outputs[0]
         echo = (texts[i // body.n] or "") if body.echo else ""
-        lp = _logprobs(c.logprobs, c.token_ids, llm.tokenizer, len(echo))
+        lp = _logprobs(c.logprobs, c.token_ids, tokenizer, len(echo))
         if echo and lp is not None and out.prompt_logprobs is not None:
-            lp = _joined(_prompt_logprobs(out, llm.tokenizer), lp)
+            lp = _joined(_prompt_logprobs(out, tokenizer), lp)
         choices.append(
             CompletionChoice(
                 index=i,
@@ -162,12 +185,7 @@ async def create_completion(
                 ),
             )
         )
-    response = CompletionResponse(
-        id=base, model=settings.model_name, choices=choices, usage=usage(prompts, finals, body.n)
-    )
-    if requests[0].remote_decode:
-        response.kv_transfer_params = prefill_answer(finals)
-    return JSONResponse(response.model_dump())
+    return CompletionResponse(id=base, model=model, choices=choices, usage=usage(prompts, finals, body.n))
 
 
 async def _stream(

@@ -51,6 +51,7 @@ def settings_from_args(args: argparse.Namespace, config: EngineConfig) -> Server
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        max_logprobs=args.max_logprobs,
         generation_defaults=generation_defaults(config.model),
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
         reasoning_parser=args.reasoning_parser,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hybridserve.server.errors import error_body
+from starlette.requests import Request
+
+from hybridserve.server.errors import APIError, error_body
 
 Message = dict[str, Any]
 
@@ -63,6 +65,16 @@ def could_be_cross_site_without_preflight(method: str, content_type: str, has_au
     which this server never grants, so a page on another site cannot drive it."""
     mime = content_type.split(";")[0].strip().lower().encode()
     return method in ("POST", "PUT", "PATCH", "DELETE") and mime in _SIMPLE_TYPES and not has_authorization
+
+
+def refuse_cross_site(request: Request) -> None:
+    """415 for a POST a page on another site could send (see ``could_be_cross_site_without_preflight``);
+    the server and the router both guard their POSTs with it."""
+    content_type = request.headers.get("content-type", "")
+    if could_be_cross_site_without_preflight(
+        request.method, content_type, "authorization" in request.headers
+    ):
+        raise APIError(415, "send Content-Type: application/json (or an Authorization header)")
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:

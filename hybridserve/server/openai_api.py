@@ -17,10 +17,14 @@ from hybridserve import __version__
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_llm import AsyncLLM, RequestTiming
 from hybridserve.engine.request import RequestOutput
+from hybridserve.engine.sample.structured_outputs import warm_grammar_checks
+from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.chat import create_chat_completion
 from hybridserve.server.completions import create_completion
 from hybridserve.server.errors import APIError, error_response, install_error_handlers
-from hybridserve.server.limits import BodySizeLimit, could_be_cross_site_without_preflight
+from hybridserve.server.gc_pause import freeze_startup_heap, thaw_heap
+from hybridserve.server.limits import BodySizeLimit, refuse_cross_site
+from hybridserve.server.loop_lag import LoopLagMonitor
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.openapi import GENERATE_RESPONSES, TOKENIZE_RESPONSES, responses
 from hybridserve.server.protocol import (
@@ -48,6 +52,8 @@ class AppState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.metrics = ServerMetrics()
+        self.loop_lag = LoopLagMonitor(self.metrics.registry)
+        self.lag_task: asyncio.Task[None] | None = None
         self.llm: AsyncLLM | None = None
         self.load_error: BaseException | None = None
         self.draining = False
@@ -107,7 +113,9 @@ def build_app(
             llm.on_finish.append(_log_finished)
             llm.on_fatal.append(state.die)
             state.metrics.attach(llm)
+            freeze_startup_heap()
             state.llm = llm
+            state.lag_task = asyncio.create_task(state.loop_lag.run())  # start-up's own stalls not counted
             _log_startup(llm, settings)
         except Exception as exc:
             log.exception("could not start the engine")
@@ -116,13 +124,21 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Before serving, on this thread: importing xgrammar (it imports transformers, whose lazy module
+        # another thread must not import at the same time) costs ~1.3 s, which the first constrained
+        # request would otherwise spend on the event loop.
+        warm_grammar_checks()
         loading = asyncio.create_task(load())
         yield
         await asyncio.wait({loading})
+        if state.lag_task is not None:
+            state.lag_task.cancel()
         if state.llm is not None:
             await state.llm.shutdown()
+            thaw_heap()
 
     app = FastAPI(title="hybridserve", version=__version__, lifespan=lifespan)
+    app.router.route_class = OffLoopRoute  # bodies are decoded and validated off the event loop
     app.state.hs = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app, on_error=lambda status: state.metrics.rejected.labels(str(status)).inc())
@@ -155,14 +171,7 @@ def _routes(app: FastAPI, state: AppState) -> None:
                 401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
             )
 
-    def same_site(request: HTTPRequest) -> None:
-        content_type = request.headers.get("content-type", "")
-        if could_be_cross_site_without_preflight(
-            request.method, content_type, "authorization" in request.headers
-        ):
-            raise APIError(415, "send Content-Type: application/json (or an Authorization header)")
-
-    guarded: Any = [Depends(auth), Depends(same_site)]
+    guarded: Any = [Depends(auth), Depends(refuse_cross_site)]
 
     @app.get("/health", responses=responses(503))
     async def health() -> JSONResponse:
@@ -181,14 +190,14 @@ def _routes(app: FastAPI, state: AppState) -> None:
     @app.post(
         "/tokenize", dependencies=guarded, response_model=TokenizeResponse, responses=TOKENIZE_RESPONSES
     )
-    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse((await tokenize(body, state.engine(), state.settings)).model_dump())
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return await tokenize(body, state.engine(), state.settings)
 
     @app.post(
         "/detokenize", dependencies=guarded, response_model=DetokenizeResponse, responses=TOKENIZE_RESPONSES
     )
-    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse((await detokenize(body, state.engine(), state.settings)).model_dump())
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return await detokenize(body, state.engine(), state.settings)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -10,15 +10,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.errors import RequestRejected
 from hybridserve.engine.request import Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
 from hybridserve.server.constraints import structured_outputs
 from hybridserve.server.errors import APIError
+from hybridserve.server.gc_pause import gc_paused
 from hybridserve.server.kv_transfer_params import apply_kv_transfer
-from hybridserve.server.protocol import PromptLogprob, PromptTokensDetails, Usage, _SamplingFields
+from hybridserve.server.protocol import (
+    MAX_LOGPROBS,
+    PromptLogprob,
+    PromptTokensDetails,
+    Usage,
+    _SamplingFields,
+)
 from hybridserve.server.streams import merge, unless_disconnected
 
 
@@ -36,6 +45,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # --reasoning-parser: split reasoning from content
     tool_call_parser: str | None = None  # --tool-call-parser; None: the tokenizer mode's own
     enable_auto_tool_choice: bool = False  # with a named parser: read calls when tool_choice is auto
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs / top_logprobs / prompt_logprobs (--max-logprobs)
 
 
 T = TypeVar("T")
@@ -63,6 +73,8 @@ def sampling_params(
         value = getattr(body, name)
         return value if value is not None else settings.generation_defaults.get(name, fallback)
 
+    _check_logprobs(settings, logprobs, "logprobs")
+    _check_logprobs(settings, body.prompt_logprobs, "prompt_logprobs")
     try:
         return SamplingParams(
             temperature=pick("temperature", 1.0),
@@ -89,12 +101,23 @@ def sampling_params(
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
+def _check_logprobs(settings: ServerSettings, n: int | None, param: str) -> None:
+    if n is not None and n > settings.max_logprobs:
+        raise APIError(
+            400,
+            f"{param} is {n} but this server returns at most {settings.max_logprobs} (--max-logprobs)",
+            param=param,
+            code="invalid_value",
+        )
+
+
 def check_model(body: Any, settings: ServerSettings, required: bool = True) -> None:
+    """404 ``model_not_found`` for a model this server does not serve, as OpenAI and vLLM answer."""
     if body.model is None and not required:
         return
     if body.model != settings.model_name and body.model not in settings.model_aliases:
         raise APIError(
-            400,
+            404,
             f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
             param="model",
             code="model_not_found",
@@ -112,8 +135,26 @@ def api_id(request_id: str) -> str:
 
 
 async def off_loop(size: int, work: Callable[[], T]) -> T:
-    """Run ``work`` inline when the input is small, else in a worker thread."""
-    return work() if size <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
+    """Run ``work`` inline when the input is small, else in a worker thread, with no garbage collection
+    meanwhile (a full one would hold the GIL, and so the loop, for 0.1 s or more)."""
+    return work() if size <= OFF_LOOP_CHARS else await asyncio.to_thread(_without_collecting, work)
+
+
+def _without_collecting(work: Callable[[], T]) -> T:
+    with gc_paused():
+        return work()
+
+
+def response_size(finals: list[RequestOutput]) -> int:
+    """About how many objects a final response is built from (logprob entries dominate), to weigh it
+    against OFF_LOOP_CHARS: 4,096 prompt tokens with 20 logprobs each take ~1.5 s to build and encode."""
+    entries = sum(len(o.prompt_logprobs or ()) + len(o.outputs[0].logprobs or ()) for o in finals)
+    return entries * 21 + sum(len(o.outputs[0].text) for o in finals)
+
+
+def json_response(model: BaseModel) -> Response:
+    """pydantic's own encoder: ~3x faster than json.dumps for a large answer (non-finite numbers: null)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def check_text_fits(llm: AsyncLLM, text: str, param: str) -> None:

@@ -78,6 +78,7 @@ class EngineCore:
         self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
         self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
         self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
+        self.grammar_warm_up = self.structured.start_warm_up()  # beside the rest of start-up
         stop = StopChecker(self.structured, self.limits.max_request_tokens)
         self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()
@@ -258,7 +259,7 @@ class EngineCore:
         try:
             results = iter(self.runner.execute(out))
         except Exception as exc:
-            return self._fail_step(out, exc)
+            return self._isolate(out, exc)
         self.stats.consecutive_failures = 0
         outputs: list[EngineCoreOutput] = []
         for s in out.scheduled:
@@ -267,6 +268,19 @@ class EngineCore:
             self.coordinator.publish(req.request_id, req.all_token_ids, s.end)
             if s.samples:
                 outputs.append(self._append_token(req, next(results)))
+        return outputs
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """A failed step of several requests runs again one request at a time, so that only requests whose
+        own step fails are failed: one bad request never takes its batch-mates down. Safe because nothing
+        is committed before the step succeeds (a rerun writes the same KV slots again). Not with expert
+        parallelism: the ranks' collectives must pair up, so there a failed step is fatal anyway."""
+        if len(out.scheduled) == 1 or self.group is not None:
+            return self._fail_step(out, exc)
+        log.warning("a step of %d requests failed (%s); running each alone", len(out.scheduled), exc)
+        outputs: list[EngineCoreOutput] = []
+        for s in out.scheduled:
+            outputs += self._plain_step(SchedulerOutput(scheduled=[s]))
         return outputs
 
     def _between_steps(self) -> list[EngineCoreOutput]:

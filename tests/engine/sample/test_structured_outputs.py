@@ -167,3 +167,25 @@ def test_the_bundled_model_emits_schema_valid_json() -> None:
     for out in llm.generate(prompts, params):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         assert validator.is_valid(json.loads(out.outputs[0].text)), out.outputs[0].text
+
+
+def test_the_grammar_compiler_is_warmed_at_start_up_not_by_the_first_constrained_request() -> None:
+    """xgrammar's first use (import, the vocabulary's token table) happens in a start-up thread, so the
+    first constrained request builds nothing: it costs what later ones do."""
+    core = LLM(BUNDLED, max_num_seqs=4).engine
+    warm_up = core.grammar_warm_up
+    assert warm_up is not None and warm_up.name == "grammar-warm-up"
+    warm_up.join(timeout=120)
+    structured = core.structured
+    assert structured.compiler_builds == 1 and structured.compile_count == 1
+    params = SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    core.add_request(Request("first", [5, 6, 7], params))
+    while core.has_unfinished_requests():
+        core.step()
+    assert structured.compiler_builds == 1 and structured.compile_count == 1  # warmed, cached, not rebuilt
+
+
+def test_no_warm_up_without_a_tokenizer(tmp_path: Path) -> None:
+    assert StructuredOutputs(tmp_path, 32, [0]).start_warm_up() is None
