@@ -111,13 +111,10 @@ class EngineCore:
             self.coordinator,
             Sampler(self.config.seed, self.structured),
             self.device,
-            decode_graphs=policy.decode_graphs,
-            compile_decode=policy.compile_decode,
-            compile_prefill=policy.compile_prefill,
-            keep_streams=speculative,
+            policy,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
-            enforce_eager=self.config.enforce_eager,
+            keep_streams=speculative,
         )
 
     def _join_group(self) -> ProcessGroup | None:

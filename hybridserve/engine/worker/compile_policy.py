@@ -33,3 +33,6 @@ class CompilePolicy:
         prefill = accelerate and config.compile_prefill
         graphs = accelerate and info.compiled_steps and (decode or (cuda and not speculative))
         return CompilePolicy(graphs, decode, prefill, accelerate and (cuda or decode or prefill))
+
+
+EAGER = CompilePolicy(decode_graphs=False, compile_decode=False, compile_prefill=False, compile_tail=False)

@@ -16,6 +16,7 @@ from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.compile_policy import EAGER, CompilePolicy
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
@@ -33,19 +34,16 @@ class ModelRunner:
         coordinator: KvCacheCoordinator,
         sampler: Sampler,
         device: torch.device,
-        decode_graphs: bool = False,
+        policy: CompilePolicy = EAGER,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
-        compile_decode: bool = False,
-        compile_prefill: bool = False,
         keep_streams: bool = False,
     ) -> None:
-        """``decode_graphs``: run pure-decode steps padded to bucketed static shapes (DecodeGraphRunner),
-        replayed as CUDA graphs on CUDA unless ``enforce_eager``, through torch.compile if
-        ``compile_decode``; ``compile_prefill``: the other steps through one dynamically shaped graph
-        (PrefillGraphRunner), else the normal path; ``keep_streams``: the decode graphs keep each step's
-        pre-head streams (a speculative engine's MTP layer reads them)."""
+        """``policy.decode_graphs``: run pure-decode steps padded to bucketed static shapes
+        (DecodeGraphRunner), replayed as CUDA graphs on CUDA, through torch.compile if
+        ``policy.compile_decode``; ``policy.compile_prefill``: the other steps through one dynamically
+        shaped graph (PrefillGraphRunner), else the normal path; ``keep_streams``: the decode graphs keep
+        each step's pre-head streams (a speculative engine's MTP layer reads them)."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
@@ -55,9 +53,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.steps_by_path: Counter[str] = Counter()  # see ``execute``
         max_len = max_model_len or model.info.max_position_embeddings
-        if compile_prefill:
+        if policy.compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
-        if decode_graphs:
+        if policy.decode_graphs:
             self.decode_graphs = DecodeGraphRunner(
                 model,
                 pools,
@@ -65,8 +63,7 @@ class ModelRunner:
                 device,
                 max_num_seqs,
                 max_len,
-                use_graphs=not enforce_eager,
-                compiled=compile_decode,
+                compiled=policy.compile_decode,
                 keep_streams=keep_streams,
             )
 

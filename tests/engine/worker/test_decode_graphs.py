@@ -18,6 +18,7 @@ from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import Request, SamplingParams
 from hybridserve.engine.worker import decode_graphs
 from hybridserve.engine.worker.batch import build_forward_batch
+from hybridserve.engine.worker.compile_policy import CompilePolicy
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner, batch_buckets, row_bucket
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers import moe
@@ -178,7 +179,7 @@ def test_static_buffers_without_padding_are_bit_identical(
 
 
 def _llm(checkpoint: Path, graphs: bool, **kwargs: int) -> LLM:
-    """The offline engine on ``checkpoint`` with ModelRunner(decode_graphs=graphs) (its eager static path)."""
+    """The offline engine on ``checkpoint``, with decode graphs or not (their eager static path)."""
     llm = LLM(str(checkpoint), block_tokens=8, max_num_seqs=8, **kwargs)
     core = llm.engine
     core.runner = ModelRunner(
@@ -187,7 +188,7 @@ def _llm(checkpoint: Path, graphs: bool, **kwargs: int) -> LLM:
         core.coordinator,
         core.runner.sampler,
         core.device,
-        decode_graphs=graphs,
+        CompilePolicy(decode_graphs=graphs, compile_decode=False, compile_prefill=False, compile_tail=False),
         max_num_seqs=8,
         max_model_len=MAX_LEN,
     )
@@ -196,7 +197,7 @@ def _llm(checkpoint: Path, graphs: bool, **kwargs: int) -> LLM:
 
 @pytest.mark.parametrize("name", ["mixed", "csa_heavy"])
 def test_engine_greedy_tokens_equal(name: str, tiny_checkpoint: Callable[[str], Path]) -> None:
-    """Through the engine: ModelRunner(decode_graphs=True) generates the plain runner's greedy tokens."""
+    """Through the engine: a runner of decode graphs generates the plain runner's greedy tokens."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 19, 33, 11, 25)]
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
