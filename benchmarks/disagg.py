@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from hybridserve.bench.server_process import wait_healthy
+
 
 @dataclass
 class Result:
@@ -57,18 +59,6 @@ def _serve(checkpoint: str, threads: int, *extra: str) -> tuple[str, subprocess.
     port = _free_port()
     flags = ["serve", "--model", checkpoint, "--num-threads", str(threads), "--max-num-seqs", "32", *extra]
     return f"http://127.0.0.1:{port}", _spawn(flags, port)
-
-
-def _wait(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become healthy")
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -185,7 +175,7 @@ def main() -> None:
 
     url, colocated = _serve(args.checkpoint, 2)
     try:
-        _wait(url)
+        wait_healthy(url, timeout=300)
         run = Run("co-located, 2 threads")
         run.results, run.wall_s = asyncio.run(_workload(url, model, args, config["vocab_size"]))
         runs.append(run)
@@ -199,7 +189,7 @@ def main() -> None:
     r_url = f"http://127.0.0.1:{r_port}"
     try:
         for u in (p_url, d_url, r_url):
-            _wait(u)
+            wait_healthy(u, timeout=300)
         run = Run("1 prefill + 1 decode, 1 thread each")
         run.results, run.wall_s = asyncio.run(_workload(r_url, model, args, config["vocab_size"]))
         run.handoff = _handoff(d_url, len(run.results))

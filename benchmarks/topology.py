@@ -18,13 +18,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from hybridserve.bench.server_process import parse_metrics
+from hybridserve.bench.server_process import parse_metrics, wait_healthy
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
 SHAPES = {  # name -> (command, prefill ranks, decode ranks)
@@ -52,19 +51,6 @@ def _start(shape: str, mtp: bool, args: argparse.Namespace, port: int) -> subpro
         cmd += ["--enable-expert-parallel"] if prefill > 1 or decode > 1 else []
     argv = [sys.executable, "-m", "hybridserve.cli", *cmd]
     return subprocess.Popen(argv, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE)
-
-
-def _wait(url: str, process: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the deployment exited ({process.returncode})"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy")
 
 
 def _decode_url(process: subprocess.Popen[bytes], url: str, shape: str) -> str:
@@ -115,7 +101,7 @@ def run(shape: str, mtp: bool, args: argparse.Namespace) -> dict[str, Any]:
     process = _start(shape, mtp, args, port)
     try:
         decode = _decode_url(process, url, shape)
-        _wait(url, process)
+        wait_healthy(url, process, timeout=900)
         label = f"{shape}{'+mtp' if mtp else ''}"
         result = _bench(url, args, label)
         return {"label": label, **result, "decode_side": _handoff(decode, args.num_prompts + 2)}
