@@ -227,23 +227,35 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's sampler"})
     enforce_eager: bool = field(
-        default=False, metadata={"help": "no torch.compile and no CUDA graphs: every step runs eagerly"}
+        default=False,
+        metadata={
+            "help": "no torch.compile and no CUDA graphs: every step runs eagerly (by default the steps "
+            "compile: see --compile-decode and --compile-prefill)"
+        },
     )
     compile_decode: bool | None = field(
         default=None,
         metadata={
             "help": "pure-decode steps (with --speculative-config: steps that verify no drafts) over "
-            "bucketed static shapes through torch.compile, with the fixed cache layout; the graphs compile "
-            "at start-up and inductor caches them on disk (off by default; start-up times in "
-            "benchmarks/README.md)"
+            "bucketed static shapes through torch.compile (CUDA graphs on CUDA); on by default unless "
+            "--enforce-eager; the server serves eagerly while they compile in the background, and "
+            "inductor caches them on disk"
         },
     )
-    compile_prefill: bool = field(
-        default=False,
+    compile_prefill: bool | None = field(
+        default=None,
         metadata={
             "help": "prefill and mixed steps (and speculative steps that verify drafts) through one "
-            "torch.compile graph with dynamic sizes (fixed cache layout; compiled at start-up, cached on "
-            "disk; a step the graph does not fit runs eagerly)"
+            "torch.compile graph with dynamic sizes; on by default unless --enforce-eager (a step the "
+            "graph does not fit runs eagerly)"
+        },
+    )
+    compile_in_background: bool = field(
+        default=True,
+        metadata={
+            "help": "the server answers at once, running steps eagerly while its compiled steps compile in "
+            "a background thread; each takes over once ready (CPU; on CUDA the graphs are captured before "
+            "the server answers). --no-compile-in-background: answer only once every step is compiled"
         },
     )
     engine_ready_timeout: float = field(
@@ -344,17 +356,27 @@ class EngineConfig:
         parse_size(self.kv_cache_memory)
         if self.cache_layout not in (None, "arena", "fixed"):
             raise ValueError(f"--cache-layout {self.cache_layout!r}: choose arena or fixed")
-        compiled = {"--compile-decode": self.compile_decode, "--compile-prefill": self.compile_prefill}
-        for flag, on in compiled.items():
-            if on and self.cache_layout == "arena":
-                raise ValueError(
-                    f"{flag} needs --cache-layout fixed: torch.compile cannot yet write into views of "
-                    "one arena's bytes (aot_autograd rejects aliased input mutations)"
-                )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose auto or fp8")
+        self._check_compile_flags()
         self._check_data_parallel()
         SpeculativeConfig.parse(self.speculative_config)  # a malformed one fails at start-up
+
+    def _check_compile_flags(self) -> None:
+        asked = {"--compile-decode": self.compile_decode, "--compile-prefill": self.compile_prefill}
+        for flag, on in asked.items():
+            if on and self.enforce_eager:
+                raise ValueError(f"{flag} with --enforce-eager: choose one")
+        if self.cache_layout == "arena" and self.kv_cache_dtype == "fp8" and self.compiles:
+            raise ValueError(
+                "--kv-cache-dtype fp8 with --cache-layout arena runs eagerly only (an FP8 cache keeps two "
+                "dtypes in one arena); add --enforce-eager or use --cache-layout fixed"
+            )
+
+    @property
+    def compiles(self) -> bool:
+        """Whether any step may run compiled (the worker may still run them eagerly: see CompilePolicy)."""
+        return self.compile_config.compile_decode or self.compile_config.compile_prefill
 
     def _check_data_parallel(self) -> None:
         n, local, start = self.data_parallel_size, self.local_ranks, self.data_parallel_start_rank
@@ -430,7 +452,12 @@ class EngineConfig:
 
     @property
     def compile_config(self) -> CompileConfig:
-        return CompileConfig(self.enforce_eager, bool(self.compile_decode), self.compile_prefill)
+        """Both compiled unless --enforce-eager, or unless switched off one by one."""
+        on = not self.enforce_eager
+        decode, prefill = (
+            on if flag is None else flag for flag in (self.compile_decode, self.compile_prefill)
+        )
+        return CompileConfig(self.enforce_eager, decode and on, prefill and on)
 
     @property
     def disaggregation_config(self) -> DisaggregationConfig:
@@ -444,12 +471,12 @@ class EngineConfig:
     @property
     def resolved_cache_layout(self) -> str:
         """The layout asked for, else arena; --num-blocks alone (blocks per group) means a fixed split, and
-        so does --compile-decode or --compile-prefill (torch.compile cannot yet write into views of one
-        arena's bytes)."""
+        so does an FP8 cache with compiled steps (its two dtypes in one arena would be aliased graph
+        inputs: ``cache/flat_rows.py``)."""
         if self.cache_layout is not None:
             return self.cache_layout
-        compiled = self.compile_decode or self.compile_prefill
-        return "fixed" if self.num_blocks is not None or compiled else "arena"
+        fp8_compiled = self.kv_cache_dtype == "fp8" and self.compiles
+        return "fixed" if self.num_blocks is not None or fp8_compiled else "arena"
 
     @property
     def kv_cache_bytes(self) -> int:

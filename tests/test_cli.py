@@ -15,6 +15,7 @@ def test_generate_prints_completions(
     rc = main(
         [
             "generate",
+            "--enforce-eager",
             "--model",
             str(folder),
             "--block-tokens",

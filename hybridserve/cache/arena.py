@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hybridserve.cache.arena_plan import ArenaPlan
+from hybridserve.cache.flat_rows import FlatRows
 from hybridserve.cache.plan import GroupPlan
 from hybridserve.cache.pool import BlockPool
 
@@ -52,6 +53,13 @@ class PageArena:
         self.pools: dict[str, ArenaBlockPool] = {}
         self.num_reclaimed = 0  # parked pages taken back (their cached blocks forgotten)
         self._ticks = itertools.count()
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The storage as one flat tensor of ``dtype`` (the same tensor on every call)."""
+        if dtype not in self._typed:
+            self._typed[dtype] = self.storage.view(dtype)
+        return self._typed[dtype]
 
     @property
     def num_free(self) -> int:
@@ -128,16 +136,22 @@ class ArenaBlockPool(BlockPool):
         return range(0)  # blocks come with the pages this group takes
 
     def _make_tensors(self, device: torch.device | str) -> dict[tuple[str, str], torch.Tensor]:
-        storage, rows = self.arena.storage, self.plan.num_blocks * self.plan.rows_per_block
+        return {
+            key: rows.flat.as_strided(rows.shape, (rows.stride, 1), rows.offset)
+            for key, rows in self.flat_rows().items()
+        }
+
+    def flat_rows(self) -> dict[tuple[str, str], FlatRows]:
+        """Every (layer, field)'s rows in the arena's flat tensor of its dtype (what compiled steps take)."""
+        rows = self.plan.num_blocks * self.plan.rows_per_block
         fields = {f.name: f for f in self.plan.spec.fields}
-        tensors = {}
+        out = {}
         for layer, name, offset in self.layout.offsets:
             f = fields[name]
-            typed, size = storage.view(f.dtype), f.dtype.itemsize
-            tensors[(layer, name)] = typed.as_strided(
-                (rows, f.width), (self.layout.row_stride // size, 1), offset // size
-            )
-        return tensors
+            size = f.dtype.itemsize
+            flat = self.arena.typed(f.dtype)
+            out[(layer, name)] = FlatRows(flat, offset // size, self.layout.row_stride // size, rows, f.width)
+        return out
 
     # ---- counts ------------------------------------------------------------------------------------
     @property

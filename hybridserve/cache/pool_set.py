@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from hybridserve.cache.arena import ArenaBlockPool, PageArena
+from hybridserve.cache.flat_rows import FlatRows
 from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.pool import NULL_BLOCK, BlockPool
 
@@ -88,6 +89,23 @@ class BlockPoolSet:
     def tensors(self) -> dict[tuple[str, str, str], torch.Tensor]:
         """Every cache tensor, keyed by (group, layer, field)."""
         return {(name, layer, f): t for name, p in self.pools.items() for (layer, f), t in p.tensors.items()}
+
+    def graph_tensors(self) -> dict[tuple[str, str, str], torch.Tensor | FlatRows]:
+        """The cache as compiled steps take it: ``tensors()``, except that an arena's fields come as
+        ``FlatRows`` of its one flat tensor (its strided views would be aliased graph inputs)."""
+        if self.arena is None:
+            return dict(self.tensors())
+        dtypes = {f.dtype for g in self.plan.groups for f in g.spec.fields}
+        if len(dtypes) > 1:
+            raise ValueError(
+                "compiled steps over an arena need one cache dtype (an FP8 cache keeps two): "
+                "use --cache-layout fixed"
+            )
+        return {
+            (name, layer, f): rows
+            for name, p in self.pools.items()
+            for (layer, f), rows in self._arena_pool(name).flat_rows().items()
+        }
 
     def null_rows(self) -> list[torch.Tensor]:
         """The null block's rows of every cache tensor (views): a padded step's writes land there, and

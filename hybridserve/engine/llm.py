@@ -33,7 +33,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer_mode)
         self._ids = itertools.count()
         if isinstance(self.engine, EngineCore):  # data-parallel ranks warm up in their own processes
-            _warm_up(self.engine, show=bool(self.config.compile_decode or self.config.compile_prefill))
+            _warm_up(self.engine, show=self.config.compiles)
 
     def shutdown(self) -> None:
         """Stop the engine-core ranks (data-parallel engines run in their own processes)."""

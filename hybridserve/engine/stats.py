@@ -63,6 +63,8 @@ class EngineSnapshot:
     steps: int = 0
     failed_steps: int = 0
     steps_by_path: dict[str, int] = field(default_factory=dict)  # ModelRunner.execute's paths -> steps
+    compiled_ready_s: dict[str, float] = field(default_factory=dict)  # compiled part -> s after start-up
+    full_speed_s: float | None = None  # s after start-up when every compiled part was ready (None: not yet)
     dp_rank: int = 0
     expert_tokens: dict[int, int] = field(default_factory=dict)  # routed expert -> rows it ran (EP only)
     collective_s: float = 0.0  # time this rank spent in expert-parallel collectives (EP only)

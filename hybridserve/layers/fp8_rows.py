@@ -10,9 +10,11 @@ the model does not know which one the plan chose.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from hybridserve.layers.gather import gather_rows
+from hybridserve.layers.gather import Rows, gather_rows, put_rows
 
 SCALE_BLOCK = 64
 NOPE, SCALE, ROPE = ".e4m3", ".scale", ".rope"
@@ -29,21 +31,21 @@ def _part(key: Key, suffix: str) -> Key:
     return (key[0], key[1], key[2] + suffix)
 
 
-def write_rows(cache: dict[Key, torch.Tensor], key: Key, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def write_rows(cache: Mapping[Key, Rows], key: Key, slots: torch.Tensor, rows: torch.Tensor) -> None:
     plain = cache.get(key)
     if plain is not None:
-        plain.index_put_((slots,), rows)
+        put_rows(plain, slots, rows)
         return
     nope = cache[_part(key, NOPE)]
     n = nope.shape[1]
     q, exps = quantize_rows(rows[:, :n])
-    nope.index_put_((slots,), q.view(torch.uint8))
-    cache[_part(key, SCALE)].index_put_((slots,), exps)
+    put_rows(nope, slots, q.view(torch.uint8))
+    put_rows(cache[_part(key, SCALE)], slots, exps)
     rope = cache[_part(key, ROPE)]
-    rope.index_put_((slots,), rows[:, n:].to(rope.dtype))
+    put_rows(rope, slots, rows[:, n:].to(rope.dtype))
 
 
-def read_rows(cache: dict[Key, torch.Tensor], key: Key, index: torch.Tensor) -> torch.Tensor:
+def read_rows(cache: Mapping[Key, Rows], key: Key, index: torch.Tensor) -> torch.Tensor:
     plain = cache.get(key)
     if plain is not None:
         return gather_rows(plain, index)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _TailOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _compile_enabled = False
+_warming = threading.local()  # ``on`` in the thread that compiles the tail before it is switched on
 TAIL_GRAPHS = 64  # compiled mHC tails kept before dynamo runs the tail eagerly
 
 
@@ -159,7 +161,7 @@ def mhc_tail(
     (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix), and so does a tail
     traced into a larger compiled graph (the compiled decode step fuses it there)."""
     # is_compiling first: a traced graph then never reads (and guards on) the process-wide switch
-    eager = torch.compiler.is_compiling() or not _compile_enabled
+    eager = torch.compiler.is_compiling() or not (_compile_enabled or getattr(_warming, "on", False))
     if eager or streams.shape[0] == 0 or comb.shape[-1] < 2:
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)
     _mark_tokens_dynamic((pre, post, comb, streams))
@@ -173,12 +175,17 @@ def mhc_tail(
 
 def warm_compiled_tail(modules: Iterable[nn.Module], device: torch.device, dtype: torch.dtype) -> bool:
     """Compile the mHC tail of a model (``modules``: its ``modules()``) now (one graph serves every token
-    count), not in its first step. -> whether there was one to compile."""
+    count), not in its first step, whether or not it is switched on yet (:func:`set_compile` after this
+    lets other threads' steps take it only once it is compiled). -> whether there was one to compile."""
     hc = next((m for m in modules if isinstance(m, HyperConnection)), None)
-    if not _compile_enabled or hc is None or hc.hc < 2:
+    if hc is None or hc.hc < 2:
         return False
-    with torch.inference_mode():  # the real forward under the runner's mode: a step's strides, flags
-        hc(torch.zeros(3, hc.hc, hc.fn.shape[1] // hc.hc, device=device, dtype=dtype))
+    _warming.on = True
+    try:
+        with torch.inference_mode():  # the real forward under the runner's mode: a step's strides, flags
+            hc(torch.zeros(3, hc.hc, hc.fn.shape[1] // hc.hc, device=device, dtype=dtype))
+    finally:
+        _warming.on = False
     return True
 
 

@@ -18,7 +18,7 @@ from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.attention import sink_attention
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch
 from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
-from hybridserve.layers.gather import gather_rows
+from hybridserve.layers.gather import gather_rows, put_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
 from hybridserve.layers.moe import MoE, prepare_all_experts
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
@@ -246,8 +246,8 @@ class Attention(nn.Module):
     ) -> None:
         """Store this step's compressor inputs, then pool every window the step completes."""
         kv_rows, gate_rows = cache[(state, self.key, fields[0])], cache[(state, self.key, fields[1])]
-        kv_rows.index_put_((slots,), comp.wkv(x))
-        gate_rows.index_put_((slots,), comp.wgate(x))
+        put_rows(kv_rows, slots, comp.wkv(x))
+        put_rows(gate_rows, slots, comp.wgate(x))
         new = cm.new_rows
         if new is None:
             return

@@ -9,7 +9,7 @@ attention metadata (``M``) is opaque to the engine: it only hands what ``attenti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -18,10 +18,11 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheGroupSpec
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch
+from hybridserve.layers.gather import Rows
 from hybridserve.layers.rope import Rotary
 
 M = TypeVar("M")  # a model's attention metadata
-CacheTensors = dict[tuple[str, str, str], torch.Tensor]  # (group, layer, field) -> the pool's rows
+CacheTensors = Mapping[tuple[str, str, str], Rows]  # (group, layer, field) -> the pool's rows
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch
+from hybridserve.layers.gather import gather_rows, put_rows
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.rope import Rotary, apply_rope
 from hybridserve.layers.rope_config import RopeConfig
@@ -83,11 +84,11 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(t, h, d), *meta.cos_sin)
         k = apply_rope(self.wk(x).view(t, h, d), *meta.cos_sin)
         keys, values = cache[(KV, self.key, "k")], cache[(KV, self.key, "v")]
-        keys.index_put_((meta.write_slots,), k.flatten(1))
-        values.index_put_((meta.write_slots,), self.wv(x))
+        put_rows(keys, meta.write_slots, k.flatten(1))
+        put_rows(values, meta.write_slots, self.wv(x))
         span = meta.read_slots.shape[1]
-        k_read = keys[meta.read_slots].view(t, span, h, d)
-        v_read = values[meta.read_slots].view(t, span, h, d)
+        k_read = gather_rows(keys, meta.read_slots).view(t, span, h, d)
+        v_read = gather_rows(values, meta.read_slots).view(t, span, h, d)
         scores = torch.einsum("thd,tshd->ths", q.float(), k_read.float()) * d**-0.5
         scores = scores.masked_fill(~meta.visible[:, None, :], float("-inf"))
         out = torch.einsum("ths,tshd->thd", scores.softmax(dim=-1), v_read.float())

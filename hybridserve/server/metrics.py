@@ -59,6 +59,7 @@ class _EngineCollector(Collector):
         yield _counter("hybridserve_engine_steps", "engine steps run", stats.steps)
         yield _counter("hybridserve_engine_failed_steps", "engine steps that failed", stats.failed_steps)
         yield _steps_by_path(stats)
+        yield from _compile_metrics(stats)
         if stats.handoff is not None:
             yield from _handoff_metrics(stats.handoff)
         rate = stats.prefix_hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
@@ -77,6 +78,28 @@ def _steps_by_path(stats: EngineSnapshot) -> Metric:
     for path in ("decode_graph", "prefill_graph", "prefill_graph_refused", "eager"):
         paths.add_metric([path], stats.steps_by_path.get(path, 0))
     return paths
+
+
+def _compile_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    """When each compiled part of the steps became ready, and when all were (the engine at full speed);
+    until then the server runs the steps that part would take eagerly (``--compile-in-background``)."""
+    ready = GaugeMetricFamily(
+        "hybridserve_compiled_part_ready_seconds",
+        "seconds from start-up until this compiled part of the steps was ready",
+        labels=["part"],
+    )
+    for part, seconds in stats.compiled_ready_s.items():
+        ready.add_metric([part], seconds)
+    yield ready
+    yield _gauge(
+        "hybridserve_full_speed", "1 once every compiled step is ready", float(stats.full_speed_s is not None)
+    )
+    if stats.full_speed_s is not None:
+        yield _gauge(
+            "hybridserve_full_speed_seconds",
+            "seconds from start-up until every compiled step was ready",
+            stats.full_speed_s,
+        )
 
 
 def _arena_metrics(stats: EngineSnapshot) -> Iterator[Metric]:

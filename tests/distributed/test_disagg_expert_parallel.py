@@ -155,9 +155,14 @@ def test_each_rank_of_a_side_gets_its_own_bootstrap_port() -> None:
     ports = [
         EngineConfig(
             disaggregation_mode="prefill", data_parallel_size=2, data_parallel_rank=r,
-            disaggregation_bootstrap_port=29600,
+            disaggregation_bootstrap_port=29600, enforce_eager=True,
         ).rank_bootstrap_port
         for r in (0, 1)
     ]  # fmt: skip
     assert ports == [29600, 29601]
-    assert EngineConfig(disaggregation_mode="decode", data_parallel_size=2).rank_bootstrap_port == 0
+    assert (
+        EngineConfig(
+            disaggregation_mode="decode", data_parallel_size=2, enforce_eager=True
+        ).rank_bootstrap_port
+        == 0
+    )

@@ -54,7 +54,14 @@ def _generate(folder: Path, **engine_args: object) -> tuple[list[list[int]], lis
         SamplingParams(temperature=0, max_tokens=SHORT if i % 2 == 0 else LONG, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    llm = LLM(str(folder), data_parallel_size=2, enable_expert_parallel=True, block_tokens=8, **engine_args)
+    llm = LLM(
+        str(folder),
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        block_tokens=8,
+        **engine_args,
+        enforce_eager=True,
+    )
     try:
         outputs = llm.generate(prompts, params)
     except BaseException:
@@ -92,7 +99,9 @@ def test_killed_rank_is_reported_within_seconds(
     tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HYBRIDSERVE_PLUGINS", "tests.distributed.faults:kill_rank_1")
-    llm = LLM(str(tiny_checkpoint("mixed")), data_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(
+        str(tiny_checkpoint("mixed")), data_parallel_size=2, enable_expert_parallel=True, enforce_eager=True
+    )
     start = time.monotonic()
     try:
         with pytest.raises(EngineDeadError, match="rank"):

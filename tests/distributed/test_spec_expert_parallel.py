@@ -37,11 +37,20 @@ def test_expert_parallel_mtp_equals_one_process_without_speculation(
     folder = str(mtp_checkpoint("mixed"))
     prompts = spec_prompts(6, seed=11)
     params = _params(len(prompts))
-    plain = [o.outputs[0].token_ids for o in LLM(folder, **ENGINE).generate(prompts, params)]  # type: ignore[arg-type]
+    plain = [
+        o.outputs[0].token_ids for o in LLM(folder, **ENGINE, enforce_eager=True).generate(prompts, params)
+    ]  # type: ignore[arg-type]
     write_oracle(tmp_path / "oracle.json", prompts, plain)
     monkeypatch.setenv(ORACLE_ENV, str(tmp_path / "oracle.json"))
     monkeypatch.setenv(PLUGINS_ENV, "tests.distributed.spec_oracle:install")
-    llm = LLM(folder, data_parallel_size=2, enable_expert_parallel=True, speculative_config=mtp(2), **ENGINE)  # type: ignore[arg-type]
+    llm = LLM(
+        folder,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        speculative_config=mtp(2),
+        **ENGINE,
+        enforce_eager=True,
+    )  # type: ignore[arg-type]
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         ranks = llm.engine.client.rank_stats  # type: ignore[union-attr]

@@ -43,7 +43,7 @@ def test_head_and_headless_node_serve_together(tiny_checkpoint: Callable[[str], 
          "--data-parallel-rpc-port", str(port), "--num-threads", "1"],
     )  # fmt: skip
     try:
-        llm = LLM(str(folder), enable_expert_parallel=True, **common)  # type: ignore[arg-type]
+        llm = LLM(str(folder), enable_expert_parallel=True, **common, enforce_eager=True)  # type: ignore[arg-type]
         g = torch.Generator().manual_seed(9)
         prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (7, 30, 12)]
         try:

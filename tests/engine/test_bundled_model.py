@@ -26,7 +26,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
-    llm = LLM(str(BUNDLED), max_num_seqs=1)
+    llm = LLM(str(BUNDLED), max_num_seqs=1, enforce_eager=True)
     prompts = _prompts(llm)
     return prompts, [reference_greedy(BUNDLED, p, MAX_NEW) for p in prompts]
 
@@ -35,7 +35,13 @@ def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
 @pytest.mark.parametrize("caching", [True, False])
 def test_bundled_greedy_equals_transformers(prompts_and_reference: tuple, seqs: int, caching: bool) -> None:
     prompts, expected = prompts_and_reference
-    llm = LLM(str(BUNDLED), max_num_seqs=seqs, max_num_batched_tokens=64, enable_prefix_caching=caching)
+    llm = LLM(
+        str(BUNDLED),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=caching,
+        enforce_eager=True,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompts + prompts, params)  # the second copy hits the prefix cache when it is on
     proofs = [

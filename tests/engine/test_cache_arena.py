@@ -26,7 +26,9 @@ ENGINE = dict(block_tokens=BLOCK, max_num_seqs=8, max_num_batched_tokens=64, ena
 
 
 def _plan(folder: Path, layout: str, memory: int) -> CachePlan:
-    config = EngineConfig(model=str(folder), cache_layout=layout, kv_cache_memory=str(memory), **ENGINE)
+    config = EngineConfig(
+        model=str(folder), cache_layout=layout, kv_cache_memory=str(memory), **ENGINE, enforce_eager=True
+    )
     cfg = DeepseekV4Config.from_dict(read_config(str(folder)))
     return build_cache_plan(config.cache_config, config.scheduler_config, cache_specs(cfg, torch.float32))
 
@@ -69,7 +71,7 @@ def test_long_requests_preempt_under_the_fixed_split_but_fit_in_the_arena(
     prompts = [torch.randint(3, VOCAB, (PROMPT,), generator=g).tolist() for _ in range(N)]
     results = {}
     for layout in ("fixed", "arena"):
-        llm = LLM(str(folder), cache_layout=layout, kv_cache_memory=str(memory), **ENGINE)
+        llm = LLM(str(folder), cache_layout=layout, kv_cache_memory=str(memory), **ENGINE, enforce_eager=True)
         results[layout], most = _run(llm.engine, prompts)
         stats = llm.engine.snapshot()
         assert llm.engine.pools.all_free()
@@ -87,7 +89,7 @@ def test_long_requests_preempt_under_the_fixed_split_but_fit_in_the_arena(
 
 
 def test_arena_stats_show_the_pages_each_group_holds(tiny_checkpoint: Callable[[str], Path]) -> None:
-    llm = LLM(str(tiny_checkpoint("mixed")), kv_cache_memory="1MiB", **ENGINE)
+    llm = LLM(str(tiny_checkpoint("mixed")), kv_cache_memory="1MiB", **ENGINE, enforce_eager=True)
     core = llm.engine
     core.add_request(Request("a", list(range(3, 60)), SamplingParams(temperature=0, max_tokens=4)))
     core.step()

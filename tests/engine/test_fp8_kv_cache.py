@@ -35,7 +35,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _llm(folder: Path, **kw: object) -> LLM:
-    return LLM(str(folder), block_tokens=8, kv_cache_memory="4MiB", **kw)  # type: ignore[arg-type]
+    return LLM(str(folder), block_tokens=8, kv_cache_memory="4MiB", **kw, enforce_eager=True)  # type: ignore[arg-type]
 
 
 def test_fp8_cache_is_exact_under_chunking_batching_and_prefix_caching(

@@ -64,7 +64,7 @@ def test_concurrent_greedy_equals_batch1_reference(
     tiny_checkpoint: Callable[[str], Path], model_name: str, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_checkpoint(model_name)
-    llm = LLM(str(folder), block_tokens=8, **CASES[case])
+    llm = LLM(str(folder), block_tokens=8, **CASES[case], enforce_eager=True)
     prompts = _prompts(18, seed=11)
     splits = _count_split_steps(monkeypatch)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))

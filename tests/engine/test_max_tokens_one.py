@@ -16,7 +16,7 @@ from tests.reference import reference_greedy
 
 def test_max_tokens_one_is_the_reference_first_token(tiny_checkpoint: Callable[[str], Path]) -> None:
     folder = tiny_checkpoint("mixed")
-    llm = LLM(str(folder), block_tokens=8, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(str(folder), block_tokens=8, max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True)
     prompts = _prompts(6, seed=11)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(2):  # the second pass resumes from cached prefixes
@@ -36,7 +36,7 @@ def test_greedy_with_chunked_sink_attention_equals_the_reference(
     """A score budget of one key row per chunk forces the chunked branch in every attention call."""
     monkeypatch.setattr(attention, "_MAX_SCORE_ELEMENTS", 1)
     folder = tiny_checkpoint("mixed")
-    llm = LLM(str(folder), block_tokens=8, max_num_seqs=4, max_num_batched_tokens=24)
+    llm = LLM(str(folder), block_tokens=8, max_num_seqs=4, max_num_batched_tokens=24, enforce_eager=True)
     prompts = _prompts(3, seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [reference_greedy(folder, p, 8) for p in prompts]

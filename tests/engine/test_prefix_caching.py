@@ -84,9 +84,9 @@ def test_hits_equal_the_radix_oracle_and_outputs_equal_caching_off(
         num_blocks=num_blocks,
         cache_layout=layout,
     )
-    cached = LLM(folder, **kw)
+    cached = LLM(folder, **kw, enforce_eager=True)
     got = _run_with_oracle(cached.engine, prompts, max_tokens=10, arrivals=3, reset_at=12)
-    plain = LLM(folder, enable_prefix_caching=False, **kw)
+    plain = LLM(folder, enable_prefix_caching=False, **kw, enforce_eager=True)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert cached.engine.scheduler.prefix_hit_tokens > 0
@@ -110,10 +110,10 @@ def test_greedy_with_caching_equals_without(
     prompts = _workload(seed=seqs, n=20)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(block_tokens=BLOCK, max_num_seqs=seqs, max_num_batched_tokens=32)
-    on = LLM(folder, **kw)
+    on = LLM(folder, **kw, enforce_eager=True)
     first = on.generate(prompts, params)
     second = on.generate(prompts, params)  # now mostly cached, including generated tokens
-    off = LLM(folder, enable_prefix_caching=False, **kw).generate(prompts, params)
+    off = LLM(folder, enable_prefix_caching=False, **kw, enforce_eager=True).generate(prompts, params)
     tokens = [o.outputs[0].token_ids for o in off]
     assert [o.outputs[0].token_ids for o in first] == tokens
     assert [o.outputs[0].token_ids for o in second] == tokens

@@ -15,7 +15,7 @@ from tests.reference import reference_greedy, reference_model
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint: Callable[[str], Path]) -> LLM:
-    return LLM(str(tiny_checkpoint("mixed")), block_tokens=8, max_num_batched_tokens=16)
+    return LLM(str(tiny_checkpoint("mixed")), block_tokens=8, max_num_batched_tokens=16, enforce_eager=True)
 
 
 def test_prompt_logprobs_equal_the_reference_log_softmax(

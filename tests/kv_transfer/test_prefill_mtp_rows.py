@@ -24,7 +24,7 @@ def _core(folder: Path, **kwargs: object) -> EngineCore:
     return EngineCore(
         EngineConfig(
             model=str(folder), block_tokens=8, kv_cache_memory=KV, max_num_batched_tokens=16,
-            speculative_config=mtp(2), **kwargs,  # type: ignore[arg-type]
+            speculative_config=mtp(2), **kwargs, enforce_eager=True,  # type: ignore[arg-type]
         )
     )  # fmt: skip
 

@@ -253,13 +253,15 @@ def test_compile_failure_falls_back_to_eager(
 
 
 def test_warm_up_compiles_before_the_first_step() -> None:
-    """``warm_compiled_tail`` compiles the model's tail (nothing when compiling is off); the first real
-    step, at another token count, compiles nothing more."""
+    """``warm_compiled_tail`` compiles the model's tail while it is still switched off (other threads'
+    steps keep the eager tail until it is switched on); once on, the first real step, at another token
+    count, compiles nothing more. A model without a tail of 2 or more streams has nothing to compile."""
+    assert not mhc.warm_compiled_tail([_random_hc(1)], torch.device("cpu"), torch.float32)
     model = torch.nn.Sequential(_random_hc(4))
     mhc.set_compile(False)
-    assert not mhc.warm_compiled_tail(model.modules(), torch.device("cpu"), torch.float32)
-    mhc.set_compile(True)
     assert mhc.warm_compiled_tail(model.modules(), torch.device("cpu"), torch.float32)
+    assert not mhc.compile_enabled()
+    mhc.set_compile(True)
     graphs = counters["stats"]["unique_graphs"]
     streams = _run(_streams, 29, 4, torch.float32)  # made like a step's: an inference tensor
     _assert_equal(_run(model[0], streams), _run(reference_hc, model[0], streams))

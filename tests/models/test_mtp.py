@@ -139,7 +139,11 @@ def test_mtp_drafts_match_the_model_card_formula(
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
     core = EngineCore(
         EngineConfig(
-            model=str(tmp_path / "with_mtp"), block_tokens=8, kv_cache_memory="48MiB", speculative_config=spec
+            model=str(tmp_path / "with_mtp"),
+            block_tokens=8,
+            kv_cache_memory="48MiB",
+            speculative_config=spec,
+            enforce_eager=True,
         )
     )
     ref = reference_model(src)

@@ -76,7 +76,13 @@ def test_engine_keeps_weights_quantized_unless_asked_and_decodes_the_same(
     ]
     outs = []
     for dequantize in (False, True):
-        llm = LLM(str(folder), block_tokens=8, kv_cache_memory="4MiB", dequantize_weights=dequantize)
+        llm = LLM(
+            str(folder),
+            block_tokens=8,
+            kv_cache_memory="4MiB",
+            dequantize_weights=dequantize,
+            enforce_eager=True,
+        )
         experts = llm.engine.model.layers[2].ffn.experts
         assert isinstance(experts, QuantizedExperts) != dequantize
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])

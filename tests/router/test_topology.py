@@ -123,7 +123,7 @@ def test_the_production_topology_equals_one_process(
 ) -> None:
     folder = mtp_checkpoint("mixed")
     params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
-    llm = LLM(str(folder), block_tokens=8, kv_cache_memory="64MiB", kv_cache_dtype="fp8")
+    llm = LLM(str(folder), block_tokens=8, kv_cache_memory="64MiB", kv_cache_dtype="fp8", enforce_eager=True)
     write_oracle(
         tmp_path / "oracle.json", PROMPTS, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     )

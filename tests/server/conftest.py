@@ -58,8 +58,10 @@ def spawn_server(
     folder: Path, *extra: str, plugins: str = "", port: int | None = None, new_session: bool = False
 ) -> Server:
     """Start a server process (``wait_healthy`` waits for it): start several, then wait for them all.
-    ``new_session``: in a process group of its own (its pid is the group id), as a terminal would run it."""
+    ``new_session``: in a process group of its own (its pid is the group id), as a terminal would run it.
+    Eager (``--enforce-eager``) unless ``extra`` names a compile flag."""
     port = port or free_port()
+    compiles = any(a.startswith(("--compile", "--no-compile", "--no-enforce-eager")) for a in extra)
     cmd = [
         sys.executable,
         "-m",
@@ -75,6 +77,7 @@ def spawn_server(
         "1",
         "--log-level",
         "warning",
+        *([] if compiles else ["--enforce-eager"]),
         *extra,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYBRIDSERVE_PLUGINS=plugins)

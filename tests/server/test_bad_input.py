@@ -215,7 +215,7 @@ def test_health_is_503_until_the_engine_is_ready(tiny_checkpoint: Callable[[str]
         release.wait(30)
         return AsyncLLM(config)
 
-    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8)
+    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8, enforce_eager=True)
     app = build_app(config, ServerSettings(model_name="m"), make_engine=slow_engine)
     with TestClient(app) as client:
         r = client.get("/health")

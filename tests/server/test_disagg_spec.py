@@ -32,7 +32,7 @@ def router(
 ) -> Iterator[tuple[Router, Server]]:
     folder = mtp_checkpoint("mixed")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    llm = LLM(str(folder), block_tokens=8, kv_cache_memory="48MiB")
+    llm = LLM(str(folder), block_tokens=8, kv_cache_memory="48MiB", enforce_eager=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     oracle = tmp_path_factory.mktemp("oracle") / "oracle.json"
     write_oracle(oracle, PROMPTS, plain)

@@ -29,7 +29,9 @@ from tests.server.conftest import API_KEY, Server, start_server, stop_server
 MODEL = "fuzz-model"
 MAX_EXAMPLES = 50  # per operation; those without inputs exhaust theirs in one request
 
-OPENAPI = build_app(EngineConfig(model="unused"), ServerSettings(model_name=MODEL)).openapi()
+OPENAPI = build_app(
+    EngineConfig(model="unused", enforce_eager=True), ServerSettings(model_name=MODEL)
+).openapi()
 schema = fuzzed(
     schemathesis.openapi.from_dict(OPENAPI, config=config(MAX_EXAMPLES, deterministic=True, coverage=True))
 )

@@ -204,7 +204,7 @@ def test_health_is_json_and_answers_head(server: Server) -> None:
 def test_posts_a_browser_could_send_cross_site_are_refused(
     tiny_checkpoint: Callable[[str], Path], content_type: str | None
 ) -> None:
-    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8)
+    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8, enforce_eager=True)
     client = TestClient(build_app(config, ServerSettings(model_name="m")))  # no key, engine not started
     headers = {"content-type": content_type} if content_type else {}
     body = b'{"model": "m", "prompt": "hi"}'

@@ -39,7 +39,11 @@ def _no_engine(config: EngineConfig) -> AsyncLLM:
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     """The app with no engine: every request that gets past its body answers 503."""
-    app = build_app(EngineConfig(model="unused"), ServerSettings(model_name="m", api_key=KEY), _no_engine)
+    app = build_app(
+        EngineConfig(model="unused", enforce_eager=True),
+        ServerSettings(model_name="m", api_key=KEY),
+        _no_engine,
+    )
     with TestClient(app) as c:
         yield c
 

@@ -21,7 +21,7 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(server: Server) -> LLM:
-    return LLM(str(server.folder), block_tokens=8)
+    return LLM(str(server.folder), block_tokens=8, enforce_eager=True)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI, server: Server) -> None:

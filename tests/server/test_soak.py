@@ -31,6 +31,7 @@ def test_short_soak_leaves_nothing_behind(tiny_checkpoint: Callable[[str], Path]
             "--concurrency", "12",
             "--num-blocks", "40",
             "--server-arg=--block-tokens=8",
+            "--server-arg=--enforce-eager",
             "--rss-bound-mib", "64",
             "--latency-factor", "1000",  # too few requests per quarter to judge drift on a shared CI machine
             "--result-json", str(result),

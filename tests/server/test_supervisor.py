@@ -28,7 +28,7 @@ from tests.server.faults import FATAL, POISON
 
 @pytest.fixture(scope="module")
 def faulty_client(tiny_checkpoint: Callable[[str], Path]) -> Iterator[TestClient]:
-    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8)
+    config = EngineConfig(model=str(tiny_checkpoint("mixed")), block_tokens=8, enforce_eager=True)
     app = build_app(config, ServerSettings(model_name="m"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PLUGINS_ENV, "tests.server.faults:poison_step")  # the core process inherits it

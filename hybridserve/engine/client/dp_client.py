@@ -287,7 +287,8 @@ class DPEngineCoreClient:
 
 
 def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
-    """Every rank's counts summed; pools summed by group; tokens per expert joined."""
+    """Every rank's counts summed; pools summed by group; tokens per expert joined; compile readiness the
+    slowest rank's."""
     merged = EngineSnapshot()
     for s in stats.values():
         for name in (
@@ -319,8 +320,12 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
         for path, n in s.steps_by_path.items():
             merged.steps_by_path[path] = merged.steps_by_path.get(path, 0) + n
+        for part, t in s.compiled_ready_s.items():  # the slowest rank's
+            merged.compiled_ready_s[part] = max(merged.compiled_ready_s.get(part, 0.0), t)
         merged.spec_accepted_per_pos = _add_lists(merged.spec_accepted_per_pos, s.spec_accepted_per_pos)
         merged.handoff = _merge_handoffs(merged.handoff, s.handoff)
+    speeds = [s.full_speed_s for s in stats.values()]
+    merged.full_speed_s = max(t for t in speeds if t is not None) if speeds and None not in speeds else None
     return merged
 
 

@@ -3,6 +3,8 @@ engine-core ranks in their own processes, for ``LLM(..., data_parallel_size=N)``
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridserve.config import EngineConfig
 from hybridserve.engine.client.dp_client import DPEngineCoreClient
 from hybridserve.engine.errors import EngineDeadError, RequestRejected
@@ -13,7 +15,8 @@ from hybridserve.engine.request import FinishReason, Request
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, step_timeout_s: float = 300.0) -> None:
-        self.client = DPEngineCoreClient(config)
+        """The ranks compile their steps before they answer: offline, no later call waits for a compile."""
+        self.client = DPEngineCoreClient(dataclasses.replace(config, compile_in_background=False))
         self.limits = self.client.ready.limits
         self.step_timeout_s = step_timeout_s
         self.unfinished: set[str] = set()

@@ -104,7 +104,7 @@ class EngineCore:
         policy = CompilePolicy.choose(
             self.config.compile_config, self.device, self.group is not None, self.model.info, speculative
         )
-        set_compile(policy.compile_tail)
+        set_compile(False)  # the runner's warm-up switches the compiled tail on once it is compiled
         return ModelRunner(
             self.model,
             self.pools,
@@ -130,6 +130,14 @@ class EngineCore:
         """Compile (and on CUDA capture) the worker's graphs before the first request (see
         ``ModelRunner.warmup``)."""
         self.runner.warmup(progress)
+
+    def start_warmup(self) -> None:
+        """Compile the worker's graphs in the background while steps run eagerly where the device allows
+        (``--compile-in-background``, CPU), else before the first request, as ``warmup``."""
+        if self.config.compile_in_background and self.device.type == "cpu":
+            self.runner.start_background_warmup()
+        else:
+            self.warmup()
 
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
@@ -455,6 +463,8 @@ class EngineCore:
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
             steps_by_path=dict(self.runner.steps_by_path),
+            compiled_ready_s=dict(self.runner.graphs.ready_after),
+            full_speed_s=self.runner.graphs.full_speed_after,
             dp_rank=self.config.data_parallel_rank,
             expert_tokens=self._expert_tokens(),
             collective_s=sum(e.comm_s for e in self.parallel_experts),

@@ -59,7 +59,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
     try:
         load_plugins()
         core = EngineCore(config)
-        core.warmup()
+        core.start_warmup()
         send_while_parent_lives(outputs, encode(_ready(core)), parent)
         status = _core_loop(core, inputs, outputs).run()
     except ApiProcessGone:

@@ -22,16 +22,17 @@ class CompilePolicy:
     def choose(
         config: CompileConfig, device: torch.device, expert_parallel: bool, info: ModelInfo, speculative: bool
     ) -> CompilePolicy:
-        """Unless --enforce-eager: --compile-decode and --compile-prefill as asked; on CUDA, or with
-        either flag, the mHC tail too. Expert-parallel steps exchange host-sized splits every MoE layer,
-        so they stay eager. A speculative engine drafts most steps, so without --compile-decode its CUDA
-        graphs are not worth their capture. A model without compiled steps (``ModelInfo.compiled_steps``;
-        the flags that ask for them are refused at start-up) runs every step eagerly."""
+        """Unless --enforce-eager: decode and prefill steps compiled (both by default, each may be switched
+        off); on CUDA, or with either compiled, the mHC tail too. Expert-parallel steps exchange host-sized
+        splits every MoE layer, so they stay eager. A speculative engine drafts most steps, so without
+        --compile-decode its CUDA graphs are not worth their capture. A model without compiled steps
+        (``ModelInfo.compiled_steps``; the flags that ask for them are refused at start-up) runs every step
+        eagerly."""
         cuda = device.type == "cuda"
-        accelerate = not config.enforce_eager and not expert_parallel
+        accelerate = not config.enforce_eager and not expert_parallel and info.compiled_steps
         decode = accelerate and config.compile_decode
         prefill = accelerate and config.compile_prefill
-        graphs = accelerate and info.compiled_steps and (decode or (cuda and not speculative))
+        graphs = accelerate and (decode or (cuda and not speculative))
         return CompilePolicy(graphs, decode, prefill, accelerate and (cuda or decode or prefill))
 
 

@@ -51,7 +51,7 @@ from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.worker.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.models.interface import PagedModel, RowReads
+from hybridserve.models.interface import CacheTensors, PagedModel, RowReads
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class DecodeGraphRunner:
         layer of a speculative engine reads them, ``run_keeping_streams``)."""
         self.model, self.coordinator, self.device = model, coordinator, device
         self.keep_streams = keep_streams
-        self.cache = pools.tensors()
+        self.cache: CacheTensors = pools.graph_tensors() if compiled else pools.tensors()
         self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs))
         self.pad_rows = pad_rows
         self.max_model_len = max_model_len

@@ -20,8 +20,8 @@ def check_features(config: EngineConfig, info: ModelInfo) -> None:
             f"--kv-cache-dtype {config.kv_cache_dtype}: {info.name} supports only "
             f"{', '.join(info.kv_cache_dtypes)}; serve {config.model} with --kv-cache-dtype auto"
         )
-    compiled = {"--compile-decode": config.compile_decode, "--compile-prefill": config.compile_prefill}
-    for flag, on in compiled.items():
+    asked = {"--compile-decode": config.compile_decode, "--compile-prefill": config.compile_prefill}
+    for flag, on in asked.items():  # by default (None) such a model runs eagerly
         if on and not info.compiled_steps:
             raise ValueError(f"{flag}: {info.name} has no compiled steps; serve {config.model} without it")
     if config.expert_parallel and not info.expert_parallel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -18,9 +19,10 @@ from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.compile_policy import EAGER, CompilePolicy
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
+from hybridserve.engine.worker.graph_readiness import DECODE, PREFILL, TAIL, GraphReadiness
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
-from hybridserve.layers.hyper_connection import warm_compiled_tail
+from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
 from hybridserve.models.interface import PagedModel
 
 log = logging.getLogger("hybridserve.engine")
@@ -52,6 +54,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.steps_by_path: Counter[str] = Counter()  # see ``execute``
+        self.policy = policy
+        self.graphs = GraphReadiness()
         max_len = max_model_len or model.info.max_position_embeddings
         if policy.compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
@@ -68,31 +72,60 @@ class ModelRunner:
             )
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile (and on CUDA capture) the mHC tail, the prefill graph and the decode step before the
+        """Compile (and on CUDA capture) the mHC tail, the decode step and the prefill graph before the
         first request, and say how long; ``progress`` hears the name of each part once it is ready."""
         for name, warm in self._warmup_parts():
-            start = time.perf_counter()
-            how = warm()
-            if how is not None:
-                log.info("%s ready in %.1f s%s", name, time.perf_counter() - start, how)
+            self._warm_part(name, warm)
             if progress is not None:
                 progress(name)
+        self.graphs.all_ready()
+
+    def start_background_warmup(self) -> threading.Thread:
+        """``warmup`` in a thread while steps run eagerly: each part takes over once it is compiled (see
+        ``GraphReadiness``); the log and ``graphs.ready`` say when, and when the engine reached full
+        speed."""
+        self.graphs.start_gating()
+        thread = threading.Thread(target=self._warm_in_background, name="compile-steps", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm_in_background(self) -> None:
+        try:
+            for name, warm in self._warmup_parts():
+                with self.graphs.compiling():
+                    self._warm_part(name, warm)
+        except Exception:  # the engine keeps serving eagerly
+            log.exception("compiling the steps in the background failed; they run eagerly")
+            return
+        log.info("full speed: every compiled step ready %.1f s after start-up", self.graphs.all_ready())
+
+    def _warm_part(self, name: str, warm: Callable[[], str | None]) -> None:
+        start = time.perf_counter()
+        how = warm()
+        if how is not None:
+            log.info("%s ready in %.1f s%s", name, time.perf_counter() - start, how)
+        self.graphs.ready(name)
 
     def warmup_part_count(self) -> int:
         return len(self._warmup_parts())
 
     def _warmup_parts(self) -> list[tuple[str, Callable[[], str | None]]]:
-        """(name, compile it -> a note for the log, or None when there was nothing to compile)."""
-        parts: list[tuple[str, Callable[[], str | None]]] = [("mHC tail", self._warm_tail)]
+        """(name, compile it -> a note for the log, or None when there was nothing to compile); the decode
+        step first: most steps of a busy server are pure decodes."""
+        parts: list[tuple[str, Callable[[], str | None]]] = []
+        if self.policy.compile_tail:
+            parts.append((TAIL, self._warm_tail))
         prefill, decode = self.prefill_graphs, self.decode_graphs
-        if prefill is not None:
-            parts.append(("prefill graph", lambda: (prefill.warmup(), None)[1]))  # it logs its own time
         if decode is not None:
-            parts.append(("decode step", lambda: (decode.warmup(), _decode_how(decode))[1]))
+            parts.append((DECODE, lambda: (decode.warmup(), _decode_how(decode))[1]))
+        if prefill is not None:
+            parts.append((PREFILL, lambda: (prefill.warmup(), None)[1]))  # it logs its own time
         return parts
 
     def _warm_tail(self) -> str | None:
-        return "" if warm_compiled_tail(self.model.modules(), self.device, self.model.dtype) else None
+        warmed = warm_compiled_tail(self.model.modules(), self.device, self.model.dtype)
+        set_compile(True)
+        return "" if warmed else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
@@ -108,14 +141,16 @@ class ModelRunner:
         if ``keep_streams``, which a decode graph needs built with ``keep_streams``). Counts it in
         ``steps_by_path``: "decode_graph" (a static decode step), "prefill_graph" (the compiled graph ran
         it), "prefill_graph_refused" (the graph's guards refused it: eager on its metadata), "eager"."""
-        if self.decode_graphs is not None and self.decode_graphs.supports(scheduled):
-            self.steps_by_path["decode_graph"] += 1
-            return self._decode_graph(scheduled, self.decode_graphs, keep_streams)
-        if self.prefill_graphs is not None and self.prefill_graphs.supports(scheduled):
-            batch, streams, path = self.prefill_graphs.run(scheduled)
-        else:
-            batch = build_forward_batch(scheduled, self.coordinator, self.device)
-            streams, path = self.model(batch, self.cache), "eager"
+        with self.graphs.use() as ready:
+            decode, prefill = self.decode_graphs, self.prefill_graphs
+            if decode is not None and DECODE in ready and decode.supports(scheduled):
+                self.steps_by_path["decode_graph"] += 1
+                return self._decode_graph(scheduled, decode, keep_streams)
+            if prefill is not None and PREFILL in ready and prefill.supports(scheduled):
+                batch, streams, path = prefill.run(scheduled)
+            else:
+                batch = build_forward_batch(scheduled, self.coordinator, self.device)
+                streams, path = self.model(batch, self.cache), "eager"
         self.steps_by_path[path] += 1
         gather_prompt_logprobs(self.model, scheduled, streams)
         kept = streams if keep_streams else None

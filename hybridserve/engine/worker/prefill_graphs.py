@@ -49,7 +49,7 @@ from hybridserve.engine.worker.decode_graphs import (
 from hybridserve.engine.worker.graph_calls import RecordingBackend
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import Experts
-from hybridserve.models.interface import MetaShapes, PagedModel
+from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,10 @@ class PrefillGraphRunner:
         max_model_len: int,
     ) -> None:
         self.model, self.coordinator, self.device = model, coordinator, device
-        self.cache = pools.tensors()
-        for t in self.cache.values():  # the pools never change shape: no symbols for them
-            torch._dynamo.mark_static(t)
+        self.cache: CacheTensors = pools.tensors()
+        self.graph_cache: CacheTensors = pools.graph_tensors()
+        for rows in self.graph_cache.values():  # the pools never change shape: no symbols for them
+            torch._dynamo.mark_static(rows if isinstance(rows, torch.Tensor) else rows.flat)
         self.null_rows = pools.null_rows()
         self.max_model_len = max_model_len
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
@@ -189,7 +190,7 @@ class PrefillGraphRunner:
     def _call(self, batch: ForwardBatch, meta: Any) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""
         with self.recorder.recording() as calls:
-            streams = self.compiled(batch, self.cache, meta)
+            streams = self.compiled(batch, self.graph_cache, meta)
         return streams, bool(calls)
 
     def _meta(self, batch: ForwardBatch) -> Any:

@@ -18,7 +18,9 @@ from hybridserve.engine.errors import EngineDeadError
 
 
 def _config(checkpoint: Path, timeout: float) -> EngineConfig:
-    return EngineConfig(model=str(checkpoint), device="cpu", num_blocks=64, engine_ready_timeout=timeout)
+    return EngineConfig(
+        model=str(checkpoint), device="cpu", num_blocks=64, engine_ready_timeout=timeout, enforce_eager=True
+    )
 
 
 def test_a_core_not_ready_in_time_is_reported_and_stopped(tiny_checkpoint: Callable[[str], Path]) -> None:
@@ -43,7 +45,7 @@ def test_the_flag_takes_seconds() -> None:
     EngineConfig.add_cli_args(parser)
     config = EngineConfig.from_cli(parser.parse_args(["--engine-ready-timeout", "90.5"]))
     assert config.engine_ready_timeout == 90.5
-    assert EngineConfig().engine_ready_timeout == 1800.0
+    assert EngineConfig(enforce_eager=True).engine_ready_timeout == 1800.0
 
 
 def test_data_parallel_ranks_not_ready_in_time_are_reported_and_stopped(

@@ -20,7 +20,7 @@ from tests.tiny_models import VOCAB
 
 
 def _llm(folder: Path, **kw: Any) -> LLM:
-    return LLM(str(folder), block_tokens=8, **kw)
+    return LLM(str(folder), block_tokens=8, **kw, enforce_eager=True)
 
 
 def _record(scheduler: Scheduler) -> list[tuple[list[str], SchedulerOutput]]:

@@ -19,7 +19,7 @@ from hybridserve.engine.request import FinishReason, Request
 def test_a_failed_step_finishes_its_requests_with_error_and_frees_them(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    core = LLM(str(tiny_checkpoint("mixed")), block_tokens=8).engine
+    core = LLM(str(tiny_checkpoint("mixed")), block_tokens=8, enforce_eager=True).engine
     execute = core.runner.execute
 
     def faulty(out: SchedulerOutput) -> Any:
@@ -54,7 +54,7 @@ def test_a_failed_step_finishes_its_requests_with_error_and_frees_them(
 
 
 def test_steps_that_keep_failing_make_the_engine_dead(tiny_checkpoint: Callable[[str], Path]) -> None:
-    core = LLM(str(tiny_checkpoint("mixed")), block_tokens=8).engine
+    core = LLM(str(tiny_checkpoint("mixed")), block_tokens=8, enforce_eager=True).engine
 
     def broken(out: SchedulerOutput) -> Any:
         raise RuntimeError("device lost")

@@ -19,7 +19,13 @@ PROMPTS = [[5, 17, 99, 3, 250, 31], [7] * 11, list(range(40, 61))]
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint: Callable[[str], Path]) -> LLM:
-    return LLM(str(tiny_checkpoint("mixed")), block_tokens=8, max_num_seqs=8, max_num_batched_tokens=32)
+    return LLM(
+        str(tiny_checkpoint("mixed")),
+        block_tokens=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        enforce_eager=True,
+    )
 
 
 def _tokens(outs: list[RequestOutput]) -> list[list[int]]:

@@ -77,6 +77,7 @@ def preempting(tiny_checkpoint: Callable[[str], Path]) -> LLM:
         max_num_batched_tokens=24,
         num_blocks=12,
         enable_prefix_caching=False,
+        enforce_eager=True,
     )
 
 
@@ -145,7 +146,7 @@ def test_compiled_grammars_are_cached_and_bad_ones_rejected(preempting: LLM) -> 
 
 
 def test_the_bundled_model_emits_schema_valid_json() -> None:
-    llm = LLM(BUNDLED, max_num_seqs=4)
+    llm = LLM(BUNDLED, max_num_seqs=4, enforce_eager=True)
     schema = {
         "type": "object",
         "properties": {
@@ -172,7 +173,7 @@ def test_the_bundled_model_emits_schema_valid_json() -> None:
 def test_the_grammar_compiler_is_warmed_at_start_up_not_by_the_first_constrained_request() -> None:
     """xgrammar's first use (import, the vocabulary's token table) happens in a start-up thread, so the
     first constrained request builds nothing: it costs what later ones do."""
-    core = LLM(BUNDLED, max_num_seqs=4).engine
+    core = LLM(BUNDLED, max_num_seqs=4, enforce_eager=True).engine
     warm_up = core.grammar_warm_up
     assert warm_up is not None and warm_up.name == "grammar-warm-up"
     warm_up.join(timeout=120)

@@ -45,7 +45,7 @@ _PLAIN: dict[str, list[list[int]]] = {}
 def _plain_tokens(folder: Path, case: str, prompts: list[list[int]]) -> list[list[int]]:
     """Non-speculative hybridserve's greedy tokens for ``case`` (one engine per case, shared by every k)."""
     if case not in _PLAIN:
-        llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, **CASES[case][0])
+        llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, **CASES[case][0], enforce_eager=True)
         _PLAIN[case] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     return _PLAIN[case]
 
@@ -71,6 +71,7 @@ def test_greedy_with_mtp_equals_speculation_off_and_the_batch1_reference(
             kv_cache_memory=KV,
             speculative_config=mtp(k),
             **kwargs,
+            enforce_eager=True,
         )
         poison_after_steps(llm.engine)
         outputs = llm.generate(prompts, GREEDY)
@@ -102,8 +103,8 @@ def test_random_mtp_drafter_never_changes_a_token(
     """The MTP layer's own (random, nearly always rejected) drafts: output equals speculation off."""
     prompts = spec_prompts(6, seed=2)
     kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24)
-    plain = LLM(str(mtp_checkpoint(model_name)), **kwargs).generate(prompts, GREEDY)
-    llm = LLM(str(mtp_checkpoint(model_name)), speculative_config=mtp(3), **kwargs)
+    plain = LLM(str(mtp_checkpoint(model_name)), **kwargs, enforce_eager=True).generate(prompts, GREEDY)
+    llm = LLM(str(mtp_checkpoint(model_name)), speculative_config=mtp(3), **kwargs, enforce_eager=True)
     poison_after_steps(llm.engine)
     spec = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -130,9 +131,9 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(
         [SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=4, stop_token_ids=s) for s in stop_ids],
     ]
     kwargs = dict(block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=32)
-    plain = LLM(str(mtp_checkpoint("mixed")), **kwargs)
+    plain = LLM(str(mtp_checkpoint("mixed")), **kwargs, enforce_eager=True)
     with oracle_drafts(continuations, wrong=0.0):
-        llm = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), **kwargs)
+        llm = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), **kwargs, enforce_eager=True)
         for params in cases:
             ours, theirs = llm.generate(prompts, params), plain.generate(prompts, params)
             for a, b in zip(ours, theirs, strict=True):
@@ -150,8 +151,14 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(
             assert (a.outputs[0].text, a.outputs[0].token_ids) == (b.outputs[0].text, b.outputs[0].token_ids)
             assert a.outputs[0].finish_reason == "stop"
         # The context limit: a request may grow to max_model_len and no further.
-        short = LLM(str(mtp_checkpoint("mixed")), speculative_config=mtp(3), max_model_len=48, **kwargs)
-        short_plain = LLM(str(mtp_checkpoint("mixed")), max_model_len=48, **kwargs)
+        short = LLM(
+            str(mtp_checkpoint("mixed")),
+            speculative_config=mtp(3),
+            max_model_len=48,
+            **kwargs,
+            enforce_eager=True,
+        )
+        short_plain = LLM(str(mtp_checkpoint("mixed")), max_model_len=48, **kwargs, enforce_eager=True)
         params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         ours, theirs = short.generate(prompts, params), short_plain.generate(prompts, params)
         for prompt, a, b in zip(prompts, ours, theirs, strict=True):
@@ -170,6 +177,7 @@ def test_drafts_count_against_the_token_budget(
         max_num_seqs=4,
         max_num_batched_tokens=10,
         speculative_config=mtp(3),
+        enforce_eager=True,
     )
     seen: list[int] = []
     schedule = llm.engine.scheduler.schedule
@@ -197,12 +205,12 @@ def test_bad_speculative_config_is_refused(
     tiny_checkpoint: Callable[[str], Path], config: object, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=config)
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=config, enforce_eager=True)
 
 
 def test_checkpoint_without_mtp_weights_is_refused(tiny_checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="needs MTP weights"):
-        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1))
+        LLM(str(tiny_checkpoint("mixed")), kv_cache_memory=KV, speculative_config=mtp(1), enforce_eager=True)
 
 
 def test_generate_and_plan_take_the_speculative_config(
@@ -211,7 +219,7 @@ def test_generate_and_plan_take_the_speculative_config(
     from hybridserve.cli import main
 
     folder, spec = str(mtp_checkpoint("mixed")), '{"method": "mtp", "num_speculative_tokens": 2}'
-    args = ["--model", folder, "--speculative-config", spec, "--kv-cache-memory", KV]
+    args = ["--model", folder, "--speculative-config", spec, "--kv-cache-memory", KV, "--enforce-eager"]
     assert main(["generate", *args, "--max-tokens", "4", "hi"]) == 0
     usable = ["--num-blocks", "8", "--max-num-batched-tokens", "32"]  # a plan the engine would start with
     assert main(["plan", "--model", folder, "--speculative-config", spec, *usable]) == 0
@@ -239,11 +247,11 @@ def test_grammar_constrains_drafts_and_verification(
         structured_outputs=StructuredOutputsParams(regex=pattern),
     )
     prompts = spec_prompts(3, seed=4)
-    spec = LLM(folder, block_tokens=8, kv_cache_memory=KV, speculative_config=mtp(3)).generate(
-        prompts, params
-    )
+    spec = LLM(
+        folder, block_tokens=8, kv_cache_memory=KV, speculative_config=mtp(3), enforce_eager=True
+    ).generate(prompts, params)
     for out in spec:
         assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
     if temperature == 0:
-        plain = LLM(folder, block_tokens=8, kv_cache_memory=KV).generate(prompts, params)
+        plain = LLM(folder, block_tokens=8, kv_cache_memory=KV, enforce_eager=True).generate(prompts, params)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

@@ -36,7 +36,7 @@ PROMPTS = _pool_prompts()
 
 @cache
 def _plain(folder: Path) -> dict[tuple[int, ...], list[int]]:
-    outs = LLM(str(folder), block_tokens=8, kv_cache_memory="48MiB").generate(
+    outs = LLM(str(folder), block_tokens=8, kv_cache_memory="48MiB", enforce_eager=True).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     )
     return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs, strict=True)}
@@ -76,6 +76,7 @@ def test_pools_return_to_free_and_tokens_never_change(
         max_num_batched_tokens=budget,
         enable_prefix_caching=prefix,
         speculative_config=mtp(k),
+        enforce_eager=True,
     )
     with oracle_drafts(expected, wrong=0.4):
         core = EngineCore(config)

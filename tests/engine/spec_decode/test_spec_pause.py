@@ -22,7 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def _core(folder: Path) -> EngineCore:
-    config = EngineConfig(model=str(folder), kv_cache_memory="32MiB", speculative_config=mtp(K))
+    config = EngineConfig(
+        model=str(folder), kv_cache_memory="32MiB", speculative_config=mtp(K), enforce_eager=True
+    )
     return EngineCore(config)
 
 

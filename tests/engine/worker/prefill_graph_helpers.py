@@ -31,12 +31,14 @@ def graph_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def graph_llm(checkpoint: Path, compiled: bool, **kwargs: int) -> LLM:
-    """The offline engine, fixed cache layout, 48-token steps (chunked prompts beside decodes)."""
+def graph_llm(checkpoint: Path, compiled: bool, **kwargs: int | str) -> LLM:
+    """The offline engine, 48-token steps (chunked prompts beside decodes); compiled: the prefill graph
+    only (decode steps eager), on the fixed cache layout unless ``cache_layout`` says otherwise."""
     common = dict(block_tokens=16, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256)
+    common |= dict(cache_layout="fixed")
     if compiled:
-        return LLM(str(checkpoint), compile_prefill=True, **{**common, **kwargs})
-    return LLM(str(checkpoint), enforce_eager=True, cache_layout="fixed", **{**common, **kwargs})
+        return LLM(str(checkpoint), compile_prefill=True, compile_decode=False, **{**common, **kwargs})
+    return LLM(str(checkpoint), enforce_eager=True, **{**common, **kwargs})
 
 
 def null_rows_zero(pools: BlockPoolSet) -> bool:

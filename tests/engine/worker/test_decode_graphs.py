@@ -12,7 +12,6 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.plan import build_plan
 from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.cache.pool_set import BlockPoolSet
-from hybridserve.config import EngineConfig
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import Request, SamplingParams
@@ -180,7 +179,7 @@ def test_static_buffers_without_padding_are_bit_identical(
 
 def _llm(checkpoint: Path, graphs: bool, **kwargs: int) -> LLM:
     """The offline engine on ``checkpoint``, with decode graphs or not (their eager static path)."""
-    llm = LLM(str(checkpoint), block_tokens=8, max_num_seqs=8, **kwargs)
+    llm = LLM(str(checkpoint), block_tokens=8, max_num_seqs=8, **kwargs, enforce_eager=True)
     core = llm.engine
     core.runner = ModelRunner(
         core.model,
@@ -298,15 +297,6 @@ def test_a_step_dynamo_runs_as_is_stays_eager(
     with torch._dynamo.config.patch(recompile_limit=0):
         eager, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, direct=False)
     _assert_matches(plain, eager, pools)
-
-
-def test_compile_decode_takes_the_fixed_layout() -> None:
-    """torch.compile cannot write into views of one arena: --compile-decode implies the fixed split, and
-    asking for both is refused with the reason."""
-    assert EngineConfig(compile_decode=True).resolved_cache_layout == "fixed"
-    assert EngineConfig().resolved_cache_layout == "arena"
-    with pytest.raises(ValueError, match="--compile-decode needs --cache-layout fixed"):
-        EngineConfig(compile_decode=True, cache_layout="arena")
 
 
 def test_warmup_runs_dummy_steps_only(tiny_checkpoint: Callable[[str], Path]) -> None:

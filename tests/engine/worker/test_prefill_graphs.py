@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.config import EngineConfig
 from hybridserve.engine.worker import prefill_graphs
 from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
     PARAMS,
@@ -98,8 +97,3 @@ def test_lone_short_chunks_run_the_graph_and_refused_steps_run_eagerly(
     assert null_rows_zero(llm.engine.pools)
 
 
-def test_compile_prefill_takes_the_fixed_layout() -> None:
-    """Like --compile-decode: the fixed split by default, and the arena refused with the reason."""
-    assert EngineConfig(compile_prefill=True).resolved_cache_layout == "fixed"
-    with pytest.raises(ValueError, match="--compile-prefill needs --cache-layout fixed"):
-        EngineConfig(compile_prefill=True, cache_layout="arena")

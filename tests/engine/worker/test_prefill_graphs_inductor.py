@@ -66,11 +66,13 @@ def test_both_compiled_paths_on_odd_sizes(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
-    """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step; on the 2-layer
-    model (a CI minute)."""
+    """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step, over the cache
+    arena (the default layout: its rows reach the graph as ``FlatRows``); on the 2-layer model (a CI
+    minute)."""
     prompts = graph_prompts((17, 30, 9))
     plain = graph_llm(tiny_checkpoint("yarn"), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
-    llm = graph_llm(tiny_checkpoint("yarn"), compiled=True)
+    llm = graph_llm(tiny_checkpoint("yarn"), compiled=True, cache_layout="arena")
+    assert llm.config.resolved_cache_layout == "arena"
     compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
     runner = prefill_runner(llm)
     assert runner.enabled and runner.warmed and runner.compile_seconds > 0
