@@ -60,9 +60,7 @@ def test_plan_bytes_per_group_equal_the_engines(case, tiny_checkpoint, mtp_check
     report = json.loads(capsys.readouterr().out)
     config = EngineConfig.from_cli(build_parser().parse_args(argv))
     if config.data_parallel_size > 1:
-        config = EngineConfig(
-            **{**vars(config), "data_parallel_rank": config.data_parallel_size - 1}, enforce_eager=True
-        )
+        config = EngineConfig(**{**vars(config), "data_parallel_rank": config.data_parallel_size - 1})
     plan = EngineCore(config).plan
     engine = {g.spec.name: (g.usable_blocks, g.total_bytes, g.spec.draft) for g in plan.groups}
     cli = {g["name"]: (g["blocks"], g["bytes"], g["draft"]) for g in report["groups"]}

@@ -66,7 +66,10 @@ def unpack(pools: BlockPoolSet, tables: dict[str, list[int]], num_tokens: int, b
         rows = _rows(pools, name, tables[name], blocks)
         for t in pools[name].tensors.values():
             n = rows.numel() * t.shape[1] * t.dtype.itemsize
-            part = buffer[offset : offset + n].view(t.dtype).view(rows.numel(), t.shape[1])
+            raw = buffer[offset : offset + n]
+            if offset % t.dtype.itemsize:  # after odd-width FP8 rows: a wider dtype needs aligned bytes
+                raw = raw.clone()
+            part = raw.view(t.dtype).view(rows.numel(), t.shape[1])
             t.index_copy_(0, rows.to(t.device), part.to(t.device))
             offset += n
     assert offset == buffer.numel(), "the handoff buffer does not match the plan"

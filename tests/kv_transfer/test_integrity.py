@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from hybridserve.cache.plan import build_plan
-from hybridserve.kv_transfer.handoff import buffer_size, checksums, corrupt_groups, handoff_bytes
+from hybridserve.cache.pool_set import BlockPoolSet
+from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
+from hybridserve.kv_transfer.handoff import (
+    buffer_size,
+    checksums,
+    corrupt_groups,
+    handoff_bytes,
+    pack,
+    unpack,
+)
 from hybridserve.kv_transfer.transfer_group import PlanFingerprint
 from tests.cache.helpers import toy_specs
 
@@ -47,3 +56,21 @@ def test_sides_that_disagree_are_refused_naming_the_flag(changes: dict[str, obje
     assert why is not None and flag in why
     assert ours.digest() != theirs.digest()
     assert PlanFingerprint.from_json(theirs.to_json()) == theirs
+
+
+def test_pack_and_unpack_round_trip_fp8_rows_before_wider_fields() -> None:
+    """A fixed FP8 pool keeps its fields in spec order (e4m3 and scale bytes of odd widths, then the rope
+    floats), so a float part of the buffer can start at an odd offset (here 3 rows x 7 bytes): it still
+    unpacks, byte for byte."""
+    fp8 = (RowField("kv.e4m3", 5, torch.uint8), RowField("kv.scale", 2, torch.uint8))
+    spec = CacheGroupSpec(
+        "rows", GroupKind.HISTORY, 4, (*fp8, RowField("kv.rope", 3, torch.float32)), ("l0",)
+    )
+    plan = build_plan([spec], 4, 2, 8, num_blocks=6, layout="fixed")
+    sender, receiver = BlockPoolSet(plan, "cpu"), BlockPoolSet(plan, "cpu")
+    tables = {"rows": [1, 2, 3]}
+    for t in sender["rows"].tensors.values():
+        t.copy_(torch.arange(t.numel()).view(t.shape).to(t.dtype))
+    unpack(receiver, tables, 10, pack(sender, tables, num_tokens=10))  # 3 blocks of one row each
+    for key, t in sender["rows"].tensors.items():
+        assert torch.equal(receiver["rows"].tensors[key][1:4], t[1:4]), key
