@@ -88,7 +88,8 @@ def handoff_bytes(params: dict[str, Any]) -> dict[str, int]:
     """Bytes a prefill worker's answer will move, per cache group (summed over its choices)."""
     out: dict[str, int] = {}
     for entry in params.get("requests") or []:
-        moved = entry.get("handoff", {}).get("bytes_by_group", {}) if isinstance(entry, dict) else {}
+        handoff = entry.get("handoff") if isinstance(entry, dict) else None  # None: it ended on prefill
+        moved = handoff.get("bytes_by_group", {}) if isinstance(handoff, dict) else {}
         for group, n in moved.items() if isinstance(moved, dict) else ():
             out[group] = out.get(group, 0) + int(n)
     return out

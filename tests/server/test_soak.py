@@ -77,3 +77,4 @@ def test_what_counts_as_a_casualty_of_a_kill() -> None:
     assert not casualty(200, "")  # a right answer
     assert not casualty(200, "stop string left in the text")  # a wrong answer stays wrong
     assert not casualty(400, "status 400 without an OpenAI-style JSON error")
+    assert not casualty(500, "status 500: internal error: AttributeError")  # a bug, killed or not
