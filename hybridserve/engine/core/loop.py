@@ -54,6 +54,7 @@ class CoreLoop:
         self.inputs = inputs
         self.outputs = outputs
         self.parent = os.getppid()
+        self._compiled_sent = 0  # compiled parts ready when the API process last heard
 
     def send(self, message: CoreOutput) -> None:
         send_while_parent_lives(self.outputs, encode(message), self.parent)
@@ -67,6 +68,7 @@ class CoreLoop:
                 if os.getppid() != self.parent:
                     log.error("the API process is gone; exiting")
                     return 1
+                self._tell_compiled()
                 if not handoff:
                     continue
             handled = self._drain()
@@ -76,6 +78,14 @@ class CoreLoop:
             step = self.core.step() if self.core.has_unfinished_requests() or self.core.handoff_busy else []
             if step or handled or self.core.handoff_events != events:
                 self.send(StepOutputs(step, self.core.snapshot()))
+
+    def _tell_compiled(self) -> None:
+        """An idle core still tells the API process (``/metrics``) when a compiled part became ready."""
+        graphs = self.core.runner.graphs
+        ready = len(graphs.ready_after) + (graphs.full_speed_after is not None)
+        if ready != self._compiled_sent:
+            self._compiled_sent = ready
+            self.send(StepOutputs([], self.core.snapshot()))
 
     def _drain(self) -> int | None:
         """Apply every queued message; -> how many, or None on Shutdown."""
