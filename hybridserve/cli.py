@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -45,60 +44,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The cache plan an engine started with these flags builds (the engine's own ``plan_cache``)."""
-    from hybridserve.engine.worker.cache_plan import plan_cache
-    from hybridserve.models.registry import build_meta_model, read_config
+    from hybridserve.plan_command import run_plan
 
-    config = EngineConfig.from_cli(args)
-    raw = read_config(config.model)
-    dtype = config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
-    model = build_meta_model(config.model, dtype)
-    plan = plan_cache(config, model, _local_device(config))
-    length = config.max_model_len or min(model.info.max_position_embeddings, plan.max_request_tokens())
-    assert isinstance(model, torch.nn.Module)
-    ranks = _rank_bytes(config, model, plan.total_bytes)
-    if args.json:
-        report = {"model": config.model, "dtype": str(dtype).removeprefix("torch."), **plan.as_dict()}
-        report |= {"request_tokens": length, "requests_that_fit": plan.requests_that_fit(length)}
-        report |= {"data_parallel_size": config.data_parallel_size, "expert_parallel": config.expert_parallel}
-        print(json.dumps(report | {"ranks": ranks}, indent=2))
-    else:
-        print(f"model: {config.model}  dtype: {str(dtype).removeprefix('torch.')}")
-        print(plan.describe(request_tokens=length))
-        _print_rank_bytes(config, ranks)
-    plan.check_usable()  # the engine refuses such a plan at start-up: say so (exit status 2)
-    return 0
-
-
-def _local_device(config: EngineConfig) -> torch.device | None:
-    """The engine's device when this host has it (its FP8 check then runs); planning for an absent GPU
-    skips only that check."""
-    device = config.torch_device()
-    return device if device.type == "cpu" or torch.cuda.is_available() else None
-
-
-def _rank_bytes(config: EngineConfig, model: torch.nn.Module, cache_bytes: int) -> list[dict[str, int]]:
-    """Weights and cache each data-parallel rank holds (every rank builds the same cache plan)."""
-    from hybridserve.layers.parallel_experts import weight_bytes_per_rank
-
-    n = config.data_parallel_size
-    weights = weight_bytes_per_rank(model, n if config.expert_parallel else 1)
-    per_rank = weights if config.expert_parallel else weights * n
-    return [
-        {"rank": r, "weight_bytes": w, "cache_bytes": cache_bytes, "total_bytes": w + cache_bytes}
-        for r, w in enumerate(per_rank)
-    ]
-
-
-def _print_rank_bytes(config: EngineConfig, ranks: list[dict[str, int]]) -> None:
-    n = config.data_parallel_size
-    mode = "expert parallel" if config.expert_parallel else "replicas"
-    print(f"data parallel: {n} rank{'s' if n > 1 else ''} ({mode})" if n > 1 else "single rank")
-    for r in ranks:
-        print(
-            f"rank {r['rank']}: weights {r['weight_bytes']:,} B  cache {r['cache_bytes']:,} B  "
-            f"total {r['total_bytes']:,} B"
-        )
+    return run_plan(args)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -165,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
             _sampling_args(p)
             p.add_argument("prompts", nargs="+")
         if name == "plan":
+            from hybridserve.router.topology import add_side_args
+
             p.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
+            add_side_args(p, default=None)
         if name == "serve":
             from hybridserve.server.args import add_server_args
 
@@ -202,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "launch":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.engine_flags = extra  # launch: engine and server flags for both sides
+    args.argv = (sys.argv[1:] if argv is None else argv)[1:]  # the command's own flags, as given
     try:
         return int(args.fn(args))
     except (ValueError, OSError) as exc:

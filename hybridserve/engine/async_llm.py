@@ -44,6 +44,7 @@ class RequestTiming:
     first_token: float | None = None
     last_token: float | None = None
     token_gaps: list[float] = field(default_factory=list)
+    kv_handoff_seconds: float | None = None  # decode worker: the pull of the request's blocks
 
 
 class AsyncLLM:
@@ -249,19 +250,23 @@ class AsyncLLM:
                 self._fail(failed.request_id, RequestFailedError(failed.error))
         live = [o for o in outputs if o.error is None and o.request_id in self.processor.states]
         for o in live:  # every step counts, also those whose outputs a FINAL_ONLY request never sees
-            self._stamp(o.request_id, now)
+            self._stamp(o.request_id, now, o.kv_handoff_seconds)
         results, stopped = self.processor.process(live)
         handoffs = {o.request_id: o.kv_transfer for o in outputs if o.kv_transfer is not None}
         for request_id, stop in stopped:
             self._finish([request_id], FinishReason.STOP, stop)
         for out in results:
             out.kv_transfer = handoffs.get(out.request_id)
+            timing = self.timings.get(out.request_id)
+            out.kv_handoff_seconds = timing.kv_handoff_seconds if timing is not None else None
             self._deliver(out)
 
-    def _stamp(self, request_id: str, now: float) -> None:
+    def _stamp(self, request_id: str, now: float, handoff_seconds: float | None) -> None:
         timing = self.timings.get(request_id)
         if timing is None:
             return
+        if handoff_seconds is not None:
+            timing.kv_handoff_seconds = handoff_seconds
         if timing.first_token is None:
             timing.first_token = now
         elif timing.last_token is not None:

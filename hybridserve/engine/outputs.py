@@ -18,4 +18,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
     kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
+    kv_handoff_seconds: float | None = None  # decode worker: the pull of its blocks (first step after)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only

@@ -172,6 +172,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_output_tokens: int = 0  # tokens generated so far, whatever the output kind
     kv_transfer: KvHandoff | None = None  # prefill worker: where this request's blocks wait
+    kv_handoff_seconds: float | None = None  # decode worker: how long pulling its blocks took
 
 
 class OutputTokens(list[int]):
@@ -277,6 +278,7 @@ class Request:
     num_preemptions: int = 0
     remote_decode: bool = False  # prefill worker: hand the blocks off after the first token
     remote_prefill: RemotePrefill | None = None  # decode worker: the prompt ran elsewhere
+    kv_handoff_seconds: float | None = None  # decode worker: its blocks' pull took this; reported once
     # Speculative decoding: tokens drafted for the next positions (not yet verified) and, for requests
     # that sample at random, the distribution [len(spec_token_ids), V] each draft was drawn from.
     spec_token_ids: list[int] = field(default_factory=list)

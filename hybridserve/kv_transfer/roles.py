@@ -112,12 +112,14 @@ class DecodeRole:
         failed = self._start_waiting()
         for request_id, error in self.receiver.poll():
             req = self.importing.pop(request_id, None)
+            seconds = self.receiver.seconds.pop(request_id, None)
             if req is None:
                 continue
             if error is not None:
                 failed.append((request_id, error))
                 continue
             req.num_computed_tokens = req.remote_prefill.handoff.num_tokens  # type: ignore[union-attr]
+            req.kv_handoff_seconds = seconds
             self.coordinator.publish(request_id, req.all_token_ids, req.num_computed_tokens)
             self.scheduler.attach(req)
         return failed

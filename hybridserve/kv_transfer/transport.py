@@ -82,11 +82,12 @@ _to_prefill = msgspec.msgpack.Decoder(Connect | Pull)
 _to_decode = msgspec.msgpack.Decoder(ConnectReply | PullReply)
 
 
-def _count(stats: HandoffStats, coordinator: KvCacheCoordinator, num_tokens: int, seconds: float) -> None:
+def _count(stats: HandoffStats, coordinator: KvCacheCoordinator, num_tokens: int, seconds: float) -> float:
     stats.transfers += 1
     stats.seconds += seconds
     for name, n in handoff_bytes(coordinator.plan, num_tokens).items():
         stats.bytes_by_group[name] = stats.bytes_by_group.get(name, 0) + n
+    return seconds
 
 
 # ---- prefill end ---------------------------------------------------------------------------------
@@ -293,6 +294,9 @@ class KvReceiver(_HandoffEnd):
         # unmatched send times out and closes the pair, failing every later pull over it).
         self._unanswered: dict[tuple[str, str], _Import] = {}
         self._tags = 0
+        # Pull to unpacked, of each import that arrived (every group moves in one buffer: no split by
+        # group); the caller takes its request's entry when ``poll`` reports the arrival.
+        self.seconds: dict[str, float] = {}
 
     @property
     def busy(self) -> bool:
@@ -402,7 +406,8 @@ class KvReceiver(_HandoffEnd):
         unpack(
             self.coordinator.pools, self.coordinator.block_tables(request_id), imp.handoff.num_tokens, buffer
         )
-        _count(self.stats, self.coordinator, imp.handoff.num_tokens, time.monotonic() - imp.started)
+        took = time.monotonic() - imp.started
+        self.seconds[request_id] = _count(self.stats, self.coordinator, imp.handoff.num_tokens, took)
         return None
 
     def _fail(self, request_id: str, why: str) -> str:

@@ -107,8 +107,17 @@ def weight_bytes_per_rank(model: nn.Module, world_size: int) -> list[int]:
     replicated = total - per_expert * num_experts
     if world_size == 1 or not moes:
         return [total] * world_size
-    ranges = [ExpertRange(r, world_size, num_experts).bounds(r) for r in range(world_size)]
-    return [replicated + per_expert * (end - start) for start, end in ranges]
+    return [replicated + per_expert * (end - start) for start, end in expert_shards(model, world_size)]
+
+
+def expert_shards(model: nn.Module, world_size: int) -> list[tuple[int, int]]:
+    """The routed experts ``[start, end)`` each of ``world_size`` expert-parallel ranks holds (every MoE
+    layer alike; ``(0, 0)`` on a model without routed experts). Works on a meta model."""
+    moes = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return [(0, 0)] * world_size
+    num_experts = moes[0].gate_up.shape[0]
+    return [ExpertRange(r, world_size, num_experts).bounds(r) for r in range(world_size)]
 
 
 def parallel_experts(modules: Iterable[nn.Module]) -> list[ParallelExperts]:

@@ -27,10 +27,11 @@ from starlette.requests import Request as HTTPRequest
 
 from hybridserve import __version__
 from hybridserve.router.forward import with_fields
+from hybridserve.router.stream_params import ParamsFilter
 from hybridserve.router.workers import Worker, WorkerDown, WorkerPool, health_loop, mark_down
 from hybridserve.server.body import OffLoopRoute
 from hybridserve.server.errors import APIError, error_body, error_response, install_error_handlers
-from hybridserve.server.kv_transfer_params import PARAM, handles, handoff_bytes
+from hybridserve.server.kv_transfer_params import PARAM, handles, handoff_bytes, handoff_seconds
 from hybridserve.server.limits import BodySizeLimit, refuse_cross_site
 from hybridserve.server.openapi import ROUTER_GENERATE_RESPONSES, responses
 from hybridserve.server.protocol import (
@@ -44,6 +45,8 @@ from hybridserve.server.protocol import (
 from hybridserve.server.streams import sse, unless_disconnected
 
 log = logging.getLogger("hybridserve.router")
+
+_HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 _FORWARDED_HEADERS = ("authorization", "content-type")
 
@@ -95,10 +98,22 @@ class RouterMetrics:
         self.handoff_bytes = Counter(
             "hybridserve_router_handoff_bytes", "KV bytes handed to decode workers", ["group"], registry=r
         )
+        # One buffer carries every cache group, so a pull has one time (by decode worker, not by group)
+        self.handoff_seconds = Histogram(
+            "hybridserve_router_handoff_seconds",
+            "KV pull time of a choice on its decode worker, every cache group together",
+            ["url"],
+            buckets=_HANDOFF_BUCKETS,
+            registry=r,
+        )
 
     def observe_handoff(self, params: dict[str, Any]) -> None:
         for group, n in handoff_bytes(params).items():
             self.handoff_bytes.labels(group).inc(n)
+
+    def observe_pull(self, worker: Worker, params: dict[str, Any]) -> None:
+        for seconds in handoff_seconds(params):
+            self.handoff_seconds.labels(worker.url).observe(seconds)
 
 
 @dataclass
@@ -200,7 +215,10 @@ class Router:
     ) -> Response:
         if not stream:
             result = await unless_disconnected(raw, lambda: self._post(pool, path, content, headers))
-            return Response(status_code=499) if result is None else _passthrough(result[1])
+            if result is None:
+                return Response(status_code=499)
+            self._observe_answer(*result)
+            return _passthrough(result[1])
 
         async def open_stream(worker: Worker) -> httpx.Response:
             url = f"{worker.url}{path}"
@@ -218,10 +236,15 @@ class Router:
     async def _pipe(
         self, worker: Worker, resp: httpx.Response, on_error: Callable[[], None]
     ) -> AsyncIterator[bytes]:
-        chunks = resp.aiter_raw()
+        chunks, params = resp.aiter_raw(), ParamsFilter()
         try:
             while (chunk := await worker.guard(_next(chunks))) is not None:
-                yield chunk
+                if passed := params.feed(chunk):
+                    yield passed
+            if rest := params.flush():
+                yield rest
+            for found in params.found:
+                self.metrics.observe_pull(worker, found)
         except WorkerDown as exc:
             self._failed(worker, str(exc))
             on_error()
@@ -230,6 +253,14 @@ class Router:
         finally:
             worker.in_flight -= 1
             await resp.aclose()
+
+    def _observe_answer(self, worker: Worker, resp: httpx.Response) -> None:
+        """A decode worker's JSON answer: its pull times (a cheap look first: most answers have none)."""
+        if resp.status_code != 200 or f'"{PARAM}":{{'.encode() not in resp.content:
+            return
+        params = resp.json().get(PARAM)
+        if isinstance(params, dict):
+            self.metrics.observe_pull(worker, params)
 
     def _failed(self, worker: Worker, why: str) -> None:
         self.metrics.failures.labels(worker.role).inc()

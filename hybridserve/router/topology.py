@@ -66,9 +66,19 @@ class Topology:
         return [*cmd, "--host", self.host, "--port", str(self.port), *self.router_flags]
 
 
+def add_side_args(parser: argparse.ArgumentParser, default: int | None = 1) -> None:
+    """The sides' sizes (``hybridserve plan`` takes them too, default None: plan one engine)."""
+    plan = " (plan each side of a launch topology, rank by rank)" if default is None else ""
+    parser.add_argument(
+        "--prefill-dp", type=int, default=default, help=f"engine-core ranks of the prefill side{plan}"
+    )
+    parser.add_argument(
+        "--decode-dp", type=int, default=default, help=f"engine-core ranks of the decode side{plan}"
+    )
+
+
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill-dp", type=int, default=1, help="engine-core ranks of the prefill side")
-    parser.add_argument("--decode-dp", type=int, default=1, help="engine-core ranks of the decode side")
+    add_side_args(parser)
     parser.add_argument(
         "--enable-expert-parallel", action="store_true", help="each side splits its experts over its ranks"
     )

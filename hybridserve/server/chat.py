@@ -15,7 +15,7 @@ from hybridserve.engine.request import Request, RequestOutput, SampleLogprobs, S
 from hybridserve.server.chat_prompt import prompt_kwargs, render_messages, v4_efforts
 from hybridserve.server.constraints import checked
 from hybridserve.server.errors import APIError
-from hybridserve.server.kv_transfer_params import prefill_answer
+from hybridserve.server.kv_transfer_params import decode_answer, decode_comment, prefill_answer
 from hybridserve.server.output_parsers import (
     STRUCTURAL_TAGS,
     ChatOutputParser,
@@ -176,6 +176,8 @@ async def create_chat_completion(
     response = await off_loop(response_size(finals), build)  # 20 logprobs a token take long to build
     if requests[0].remote_decode:
         response.kv_transfer_params = prefill_answer(finals)
+    elif requests[0].remote_prefill is not None:
+        response.kv_transfer_params = decode_answer(finals)
     return await off_loop(response_size(finals), partial(json_response, response))
 
 
@@ -209,6 +211,8 @@ async def _stream(
     if body.stream_options and body.stream_options.include_usage:
         ordered = [finals[i] for i in range(len(requests))]
         yield sse(ChatCompletionChunk(id=base, model=model, choices=[], usage=usage([ids], ordered, body.n)))
+    if comment := decode_comment(list(finals.values())):
+        yield comment
     yield sse("[DONE]")
 
 

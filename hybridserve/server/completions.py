@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from hybridserve.engine.async_llm import AsyncLLM
 from hybridserve.engine.request import RequestOutput, SampleLogprobs
 from hybridserve.server.errors import APIError
-from hybridserve.server.kv_transfer_params import prefill_answer
+from hybridserve.server.kv_transfer_params import decode_answer, decode_comment, prefill_answer
 from hybridserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -154,6 +154,8 @@ async def create_completion(
     response = await off_loop(response_size(finals), build)
     if requests[0].remote_decode:
         response.kv_transfer_params = prefill_answer(finals)
+    elif requests[0].remote_prefill is not None:
+        response.kv_transfer_params = decode_answer(finals)
     return await off_loop(response_size(finals), partial(json_response, response))
 
 
@@ -222,4 +224,6 @@ async def _stream(
     if body.stream_options and body.stream_options.include_usage:
         ordered = [finals[i] for i in range(len(requests))]
         yield sse(CompletionResponse(id=base, model=model, choices=[], usage=usage(prompts, ordered, body.n)))
+    if comment := decode_comment(list(finals.values())):
+        yield comment
     yield sse("[DONE]")

@@ -3,12 +3,16 @@
 Prefill worker: a request with ``{"do_remote_decode": true}`` runs its prompt, samples the first token
 and answers (non-streaming) with one entry per choice: the first token and where its blocks wait.
 Decode worker: the same request body with that answer as ``kv_transfer_params`` pulls the blocks and
-generates the rest, streaming or not, exactly as a co-located server would.
+generates the rest, streaming or not, exactly as a co-located server would. It reports how long each
+choice's pull took (seconds, every cache group together: they move as one buffer): as
+``kv_transfer_params`` in a JSON answer, as an SSE comment line just before ``[DONE]`` in a stream
+(clients skip comments; the router reads it and drops it).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import asdict
 from typing import Any
 
@@ -17,6 +21,7 @@ from hybridserve.kv_transfer.records import KvHandoff
 from hybridserve.server.errors import APIError
 
 PARAM = "kv_transfer_params"
+COMMENT = f": {PARAM} "  # the stream's form: this prefix, the JSON object, one line
 
 
 def apply_kv_transfer(requests: list[Request], params: dict[str, Any] | None, stream: bool) -> None:
@@ -82,6 +87,26 @@ def _entry(out: RequestOutput) -> dict[str, Any]:
         "stop_reason": None if handed_off else c.stop_reason,
     }
     return entry
+
+
+def decode_answer(finals: list[RequestOutput]) -> dict[str, Any] | None:
+    """The decode worker's ``kv_transfer_params``: the pull time of each choice that pulled blocks."""
+    seconds = [o.kv_handoff_seconds for o in finals if o.kv_handoff_seconds is not None]
+    return {"handoff_seconds": seconds} if seconds else None
+
+
+def decode_comment(finals: list[RequestOutput]) -> str:
+    """``decode_answer`` as an SSE comment event (empty when no choice pulled blocks)."""
+    answer = decode_answer(finals)
+    return f"{COMMENT}{json.dumps(answer)}\n\n" if answer else ""
+
+
+def handoff_seconds(params: dict[str, Any]) -> list[float]:
+    """The pull times in a decode worker's answer (an empty list if it has none or is malformed)."""
+    seconds = params.get("handoff_seconds")
+    if not isinstance(seconds, list):
+        return []
+    return [float(s) for s in seconds if isinstance(s, int | float)]
 
 
 def handoff_bytes(params: dict[str, Any]) -> dict[str, int]:

@@ -137,11 +137,14 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
     )
     experts = CounterMetricFamily(
         "hybridserve_expert_tokens",
-        "token rows each routed expert ran, summed over layers",
-        labels=["expert"],
+        "token rows each routed expert ran on its rank, summed over layers",
+        labels=["rank", "expert"],
     )
     handoffs = CounterMetricFamily(
         "hybridserve_dp_rank_kv_handoff_transfers", "KV handoffs the rank completed", labels=["rank"]
+    )
+    handoff_seconds = CounterMetricFamily(
+        "hybridserve_dp_rank_kv_handoff_seconds", "the rank's handoffs, pull to completion", labels=["rank"]
     )
     for rank, s in sorted(ranks.items()):
         running.add_metric([str(rank)], s.num_running)
@@ -150,10 +153,11 @@ def _rank_metrics(ranks: dict[int, EngineSnapshot]) -> Iterator[Metric]:
             used.add_metric([str(rank), name], pool.used)
             total.add_metric([str(rank), name], pool.total)
         for expert, n in sorted(s.expert_tokens.items()):
-            experts.add_metric([str(expert)], n)
+            experts.add_metric([str(rank), str(expert)], n)
         if s.handoff is not None:
             handoffs.add_metric([str(rank)], s.handoff.transfers)
-    yield from (running, waiting, used, total, experts, handoffs)
+            handoff_seconds.add_metric([str(rank)], s.handoff.seconds)
+    yield from (running, waiting, used, total, experts, handoffs, handoff_seconds)
 
 
 def _handoff_metrics(h: HandoffStats) -> Iterator[Metric]:

@@ -25,6 +25,7 @@ class FakeReceiver:
     timeout_s: float = 30.0
     started: list[str] = field(default_factory=list)
     ended: list[tuple[str, str | None]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # pull times of the imports that arrived
 
     def start(self, request_id: str, handoff: KvHandoff) -> None:
         self.started.append(request_id)
@@ -65,8 +66,10 @@ def test_imports_wait_in_order_under_memory_pressure_then_run() -> None:
     assert role.poll() == [] and receiver.started == ["a"]  # b does not fit; c waits behind it (FIFO)
     assert not coordinator.has_request("b") and not coordinator.has_request("c")
     receiver.ended.append(("a", None))
+    receiver.seconds["a"] = 0.25
     role.poll()
     assert role.scheduler.running == [a] and a.num_computed_tokens == 30
+    assert a.kv_handoff_seconds == 0.25 and not receiver.seconds  # the request reports its pull time
     role.scheduler.finish(a)  # a finished decoding: its blocks come back
     role.poll()
     assert receiver.started == ["a", "b", "c"]

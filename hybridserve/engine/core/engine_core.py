@@ -383,6 +383,7 @@ class EngineCore:
             update.reason,
             update.stop_reason,
             req.num_cached_tokens,
+            kv_handoff_seconds=_take_handoff_seconds(req),
         )
         if len(req.output_token_ids) == len(update.tokens):  # the request's first tokens
             output.prompt_logprobs = prompt_logprobs_of(req)
@@ -423,6 +424,7 @@ class EngineCore:
             update.stop_reason,
             req.num_cached_tokens,
             kv_transfer=handoff,
+            kv_handoff_seconds=_take_handoff_seconds(req),
         )
         if len(req.output_token_ids) == 1:
             out.prompt_logprobs = prompt_logprobs_of(req)
@@ -505,3 +507,9 @@ def _eos_token_ids(folder: Path, fallback: tuple[int, ...]) -> tuple[int, ...]:
         if eos is not None:
             return tuple(eos) if isinstance(eos, list) else (int(eos),)
     return fallback
+
+
+def _take_handoff_seconds(req: Request) -> float | None:
+    """A decode worker's import time, in the request's first output after its blocks arrived only."""
+    seconds, req.kv_handoff_seconds = req.kv_handoff_seconds, None
+    return seconds
