@@ -36,7 +36,7 @@ def test_the_default_server_answers_then_reaches_full_speed(tiny_checkpoint: Cal
     want = eager.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=12))
     server = wait_healthy(
         spawn_server(
-            folder, "--no-enforce-eager", "--api-key", API_KEY, plugins="tests.server.compile_plugin:install"
+            folder, "--no-enforce-eager", "--api-key", API_KEY, plugins="tests.server.eager_graphs:install"
         )
     )
     try:

@@ -95,5 +95,3 @@ def test_lone_short_chunks_run_the_graph_and_refused_steps_run_eagerly(
         assert paths["eager"] == paths_before.get("eager", 0) + PARAMS.max_tokens - 1  # one-token steps
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     assert null_rows_zero(llm.engine.pools)
-
-
