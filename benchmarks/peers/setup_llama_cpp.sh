@@ -41,7 +41,7 @@ nice -n "$NICE" cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF
 nice -n "$NICE" cmake --build "$DIR/build" -j "$JOBS" --target llama-server llama-tokenize
 mkdir -p "$DIR/bin"
-cp "$DIR/build/bin/llama-server" "$DIR/build/bin/llama-tokenize" "$DIR/bin/"
+cp --remove-destination "$DIR/build/bin/llama-server" "$DIR/build/bin/llama-tokenize" "$DIR/bin/"
 
 if [ ! -x "$DIR/venv/bin/python" ]; then
     "$PYTHON" -m venv "$DIR/venv"
