@@ -3,6 +3,8 @@
     python benchmarks/run_peers.py --checkpoint hybridserve/assets/austen-v4
     python benchmarks/run_peers.py --checkpoint data/bench-random-v4 \
         --engines hybridserve,transformers,mlx-vlm
+    python benchmarks/run_peers.py --checkpoint data/bench-random-v4 --threads 1 --concurrency 1,16 \
+        --engines hybridserve,llama.cpp,transformers
 
 Each engine is started on a free loopback port, driven by `hybridserve bench serve` on
 `/v1/chat/completions` (the one endpoint every peer serves) at each concurrency, checked for greedy
@@ -11,9 +13,11 @@ then stopped. Engines run one after another with nothing else started, so their 
 same run; every table is written by one run (there is no resuming). Each level draws fresh prompts
 (seed = the level), its warm-up requests are never measured, and hybridserve's prefix cache is off for
 the random workload (`--prefix-caching auto`; on for shared-prefix and multi-turn, and reported).
-Needs matplotlib (`pip install -e '.[bench]'`). Peers need their venvs:
+Needs matplotlib (`pip install -e '.[bench]'`). Peers need their venvs or builds:
 `bash benchmarks/peers/setup_transformers.sh`, `bash benchmarks/peers/setup_mlx_vlm.sh`
-(+ `mlx_vlm_convert.py` for the checkpoint).
+(+ `mlx_vlm_convert.py` for the checkpoint), `bash benchmarks/peers/setup_llama_cpp.sh`
+(+ `llama_cpp_convert.py CHECKPOINT CHECKPOINT.gguf` for `llama.cpp`, `CHECKPOINT-mxfp4.gguf
+--experts mxfp4` for `llama.cpp-mxfp4`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class Engine:
             return {"ignore_eos": True}
         if self.name == "transformers":  # transformers serve refuses ignore_eos
             return {"generation_config": json.dumps({"min_new_tokens": max_tokens})}
+        if self.name.startswith("llama.cpp"):  # llama-server takes ignore_eos in chat requests too
+            return {"ignore_eos": True}
         return {}  # mlx-vlm: no such option (a random model rarely emits EOS)
 
 
@@ -87,7 +93,21 @@ def engine(
         mlx_dir = Path(str(checkpoint) + "-mlx")
         cmd = ["bash", str(ROOT / "benchmarks/peers/mlx_vlm_server.sh"), str(mlx_dir), str(port)]
         return Engine(name, cmd, str(mlx_dir), env)
+    if name in LLAMA_CPP_GGUF:
+        model = llama_cpp_gguf(name, checkpoint)
+        cmd = ["bash", str(ROOT / "benchmarks/peers/llama_cpp_server.sh"), str(model), str(port)]
+        return Engine(name, cmd, model.stem, env | {"THREADS": str(threads)})
     raise ValueError(name)
+
+
+# llama.cpp engines -> the GGUF next to the checkpoint that benchmarks/peers/llama_cpp_convert.py writes
+LLAMA_CPP_GGUF = {"llama.cpp": ".gguf", "llama.cpp-mxfp4": "-mxfp4.gguf"}
+
+
+def llama_cpp_gguf(name: str, checkpoint: Path) -> Path:
+    """``llama.cpp``: f32 experts (``--experts f32``, the reference's weights); ``llama.cpp-mxfp4``: MXFP4
+    experts (``--experts mxfp4``, what llama.cpp runs for DeepSeek's own FP4 experts)."""
+    return Path(str(checkpoint) + LLAMA_CPP_GGUF[name])
 
 
 def _wait_ready(url: str, model: str, server: subprocess.Popen, log: Path, timeout: float = 3600) -> None:
