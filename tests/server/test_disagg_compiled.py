@@ -1,7 +1,7 @@
-"""Prefill/decode disaggregation with compiled steps: a prefill worker running --compile-prefill and a
-decode worker running --compile-decode (and each the other flag too, as `hybridserve launch` passes one
-set of engine flags to both sides) give the greedy tokens of one co-located eager engine, and each really
-ran its compiled path. Not expert parallel: expert-parallel steps stay eager by policy.
+"""Prefill/decode disaggregation with compiled steps: a prefill worker running the compiled prefill graph
+and a decode worker running compiled decode steps (each compiled before it answers, and only the kind it
+runs, to keep the test short) give the greedy tokens of one co-located eager engine, and each really ran
+its compiled path. Not expert parallel: expert-parallel steps stay eager by policy.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from hybridserve import LLM, SamplingParams
 from tests.server.conftest import Server, spawn_server, stop_server, wait_healthy
 from tests.server.test_disagg import ENGINE, Router, _post, _router_thread, _wait_router
 
-COMPILED = ("--compile-decode", "--compile-prefill")
+COMPILED = {
+    "prefill": ("--compile-prefill", "--no-compile-decode", "--no-compile-in-background"),
+    "decode": ("--compile-decode", "--no-compile-prefill", "--no-compile-in-background"),
+}
 PROMPTS = [[(7 * i + k) % 300 + 5 for i in range(n)] for k, n in enumerate((3, 40, 17))]
 MAX_TOKENS = 10
 
@@ -25,7 +28,7 @@ def pair(tiny_checkpoint: Callable[[str], Path]) -> Iterator[tuple[Router, dict[
     folder = tiny_checkpoint("mixed")
     plugins = "tests.server.eager_graphs:install"
     sides = {
-        mode: spawn_server(folder, "--disaggregation-mode", mode, *ENGINE, *COMPILED, plugins=plugins)
+        mode: spawn_server(folder, "--disaggregation-mode", mode, *ENGINE, *COMPILED[mode], plugins=plugins)
         for mode in ("prefill", "decode")
     }
     router = None
@@ -46,7 +49,13 @@ def test_compiled_sides_equal_one_eager_engine(
     pair: tuple[Router, dict[str, Server]], tiny_checkpoint: Callable[[str], Path]
 ) -> None:
     router, sides = pair
-    llm = LLM(str(tiny_checkpoint("mixed")), block_tokens=8, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = LLM(
+        str(tiny_checkpoint("mixed")),
+        block_tokens=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enforce_eager=True,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
     body = {"model": sides["decode"].model, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
