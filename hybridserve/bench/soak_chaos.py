@@ -59,10 +59,11 @@ class Chaos:
 def casualty(status: int, problem: str) -> bool:
     """A request that failed because a process serving it was killed: cut off (no status, or a stream
     without ``[DONE]``), a router's ``worker_failed`` 502 / error event, a server's ``engine_failed``
-    error event (its engine core died: it exits, by design), or a 502 / 503 of a server going down. A
-    500 is an internal error, never a casualty, whatever was killed."""
+    error event (its engine core died: it exits, by design), a decode worker's ``kv_handoff_failed``
+    error event (the prefill worker holding its blocks died), or a 502 / 503 of a server going down.
+    A 500 is an internal error, never a casualty, whatever was killed."""
     cut = status == 0 or "without [DONE]" in problem
-    named = "worker_failed" in problem or "engine_failed" in problem
+    named = any(code in problem for code in ("worker_failed", "engine_failed", "kv_handoff_failed"))
     return bool(problem) and (cut or named or status in (502, 503))
 
 

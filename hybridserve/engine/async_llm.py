@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from hybridserve.config import EngineConfig
 from hybridserve.engine.client.core_client import EngineCoreClient
 from hybridserve.engine.client.dp_client import DPEngineCoreClient
-from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
+from hybridserve.engine.errors import (
+    EngineDeadError,
+    EngineStoppedError,
+    HandoffFailedError,
+    RequestFailedError,
+    RequestRejected,
+)
 from hybridserve.engine.messages import (
     AddRequest,
     CoreOutput,
@@ -247,7 +253,8 @@ class AsyncLLM:
         for failed in outputs:
             if failed.error is not None:
                 self.processor.abort_request(failed.request_id)
-                self._fail(failed.request_id, RequestFailedError(failed.error))
+                kind = HandoffFailedError if failed.handoff_failed else RequestFailedError
+                self._fail(failed.request_id, kind(failed.error))
         live = [o for o in outputs if o.error is None and o.request_id in self.processor.states]
         for o in live:  # every step counts, also those whose outputs a FINAL_ONLY request never sees
             self._stamp(o.request_id, now, o.kv_handoff_seconds)

@@ -16,6 +16,11 @@ class RequestFailedError(RuntimeError):
     """The engine step running the request failed; the engine went on without it: a 500."""
 
 
+class HandoffFailedError(RuntimeError):
+    """A decode worker could not take over the request's KV blocks (the prefill worker went away, or no
+    room came up in time): the request never ran here and can be retried: a 503."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot go on (its state may be inconsistent): the process should be restarted."""
 

@@ -17,6 +17,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why the request's step failed
+    handoff_failed: bool = False  # with error: its KV handoff failed (a 503 to retry), not a step
     kv_transfer: KvHandoff | None = None  # prefill worker: the request's blocks wait to be pulled
     kv_handoff_seconds: float | None = None  # decode worker: the pull of its blocks (first step after)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only

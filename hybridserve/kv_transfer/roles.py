@@ -80,6 +80,7 @@ class DecodeRole:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[_Waiting] = deque()
         self.importing: dict[str, Request] = {}
+        self._next_renewal = 0.0
 
     def add(self, req: Request) -> None:
         """Queue an imported request (its first token already in ``output_token_ids``)."""
@@ -124,9 +125,17 @@ class DecodeRole:
             self.scheduler.attach(req)
         return failed
 
+    def _renew_waiting(self, now: float) -> None:
+        """The prefill workers' leases on queued requests' blocks outlive this queue's own deadline."""
+        if not self.waiting or now < self._next_renewal:
+            return
+        self._next_renewal = now + self.receiver.timeout_s / 4
+        self.receiver.renew([_handoff(w.request) for w in self.waiting])
+
     def _start_waiting(self) -> list[tuple[str, str]]:
         failed: list[tuple[str, str]] = []
         now = time.monotonic()
+        self._renew_waiting(now)
         while self.waiting:
             req = self.waiting[0].request
             if not self._allocate(req):
@@ -160,6 +169,11 @@ class DecodeRole:
             f"no room in the KV cache for request {req.request_id} within {self.receiver.timeout_s:.0f} s "
             f"(raise --kv-cache-memory on the decode worker or --kv-transfer-timeout)"
         )
+
+
+def _handoff(req: Request) -> KvHandoff:
+    assert req.remote_prefill is not None and req.remote_prefill.handoff is not None
+    return req.remote_prefill.handoff
 
 
 Role = PrefillRole | DecodeRole

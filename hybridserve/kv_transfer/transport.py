@@ -9,6 +9,8 @@ and never block it, except for the one-time connect of a new pair (bounded by th
     Connect(pair id, fingerprint)   ---->    compare; ConnectReply; both build the pair group
     Pull(handle, tag, num_tokens)   ---->    pack the blocks, release them, post the send; PullReply
     post the receive on PullReply ok          (held handles nobody pulls expire after the timeout)
+    Renew(handles)                  ---->    the decode worker still queues them (waiting for room):
+                                              their timeout starts again
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class Pull(msgspec.Struct, tag="pull"):
     num_tokens: int
 
 
+class Renew(msgspec.Struct, tag="renew"):
+    handles: list[str]
+
+
 class PullReply(msgspec.Struct, tag="pulled"):
     handle: str
     ok: bool
@@ -78,7 +84,7 @@ class PullReply(msgspec.Struct, tag="pulled"):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_to_prefill = msgspec.msgpack.Decoder(Connect | Pull)
+_to_prefill = msgspec.msgpack.Decoder(Connect | Pull | Renew)
 _to_decode = msgspec.msgpack.Decoder(ConnectReply | PullReply)
 
 
@@ -177,6 +183,8 @@ class KvSender(_HandoffEnd):
             message = _to_prefill.decode(data)
             if isinstance(message, Connect):
                 self._connect(identity, message)
+            elif isinstance(message, Renew):
+                self._renew(message.handles)
             else:
                 self.socket.send_multipart([identity, _encoder.encode(self._pull(identity, message))])
         self._finish_sends()
@@ -187,6 +195,12 @@ class KvSender(_HandoffEnd):
             )
             self.stats.expired += 1
             self.release(request_id)
+
+    def _renew(self, handles: list[str]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for handle in handles:
+            if (held := self.held.get(handle)) is not None:
+                held.deadline = deadline
 
     def _connect(self, identity: bytes, message: Connect) -> None:
         why = self.fingerprint.mismatch(PlanFingerprint.from_json(message.fingerprint))
@@ -318,6 +332,20 @@ class KvReceiver(_HandoffEnd):
         now = time.monotonic()
         self.imports[request_id] = _Import(handoff.control, handoff, self._tags, now + self.timeout_s, now)
         peer.socket.send(_encoder.encode(Pull(handoff.handle, self._tags, handoff.num_tokens)), zmq.NOBLOCK)
+
+    def renew(self, handoffs: list[KvHandoff]) -> None:
+        """Tell each prefill worker that these handoffs are still wanted (queued here, waiting for room),
+        so that it keeps their blocks for another timeout. Best effort: an unreachable worker is left for
+        the pull to report."""
+        by_control: dict[str, list[str]] = {}
+        for handoff in handoffs:
+            by_control.setdefault(handoff.control, []).append(handoff.handle)
+        for control, handles in by_control.items():
+            handoff = next(h for h in handoffs if h.control == control)
+            try:
+                self._peer(handoff).socket.send(_encoder.encode(Renew(handles)), zmq.NOBLOCK)
+            except Exception as exc:  # the pull itself will fail, with the reason
+                log.warning("could not renew %d handoffs at %s: %s", len(handles), control, exc)
 
     def cancel(self, request_id: str) -> bool:
         imp = self.imports.pop(request_id, None)

@@ -13,7 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridserve.engine.errors import EngineDeadError, EngineStoppedError, RequestFailedError, RequestRejected
+from hybridserve.engine.errors import (
+    EngineDeadError,
+    EngineStoppedError,
+    HandoffFailedError,
+    RequestFailedError,
+    RequestRejected,
+)
 
 log = logging.getLogger("hybridserve.server")
 
@@ -50,6 +56,8 @@ def from_engine(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc), code="engine_step_failed")
+    if isinstance(exc, HandoffFailedError):
+        return APIError(503, str(exc), code="kv_handoff_failed")
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
@@ -115,6 +123,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambd
         on_error(error.status)
         return error_response(error.status, error.message, error.param, error.code, error.headers)
 
-    for engine_error in (RequestRejected, RequestFailedError, EngineStoppedError, EngineDeadError):
+    engine_errors = (RequestRejected, RequestFailedError, HandoffFailedError, EngineStoppedError)
+    for engine_error in (*engine_errors, EngineDeadError):
         app.add_exception_handler(engine_error, _engine)
     app.add_exception_handler(Exception, _engine)  # anything else: a JSON 500, logged

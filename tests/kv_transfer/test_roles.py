@@ -26,6 +26,10 @@ class FakeReceiver:
     started: list[str] = field(default_factory=list)
     ended: list[tuple[str, str | None]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # pull times of the imports that arrived
+    renewed: list[list[str]] = field(default_factory=list)
+
+    def renew(self, handoffs: list[KvHandoff]) -> None:
+        self.renewed.append([h.handle for h in handoffs])
 
     def start(self, request_id: str, handoff: KvHandoff) -> None:
         self.started.append(request_id)
@@ -85,3 +89,18 @@ def test_an_import_that_never_fits_fails_past_the_timeout_and_a_cancel_frees_its
     role.cancel("a")
     coordinator.release("a")  # what EngineCore.finish_request does after the cancel
     assert not role.busy and coordinator.pools.all_free()
+
+
+def test_queued_imports_renew_their_prefill_leases_every_quarter_timeout() -> None:
+    """The prefill worker frees unpulled blocks after the timeout; what waits here for room must not
+    lose them (the soak's n > 1 choices did, behind a busy decode worker)."""
+    role, receiver, _ = _setup(num_blocks=6)
+    for rid in ("a", "b", "c"):
+        role.add(_imported(rid, 30))
+    role.poll()
+    assert receiver.renewed == [["a", "b", "c"]]  # renewed before a takes the room (harmless for a)
+    role.poll()
+    assert len(receiver.renewed) == 1  # not again before a quarter of the timeout has passed
+    role._next_renewal -= receiver.timeout_s / 4
+    role.poll()
+    assert receiver.renewed[-1] == ["b", "c"]  # a is importing: only the queue is renewed

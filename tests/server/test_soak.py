@@ -74,6 +74,7 @@ def test_what_counts_as_a_casualty_of_a_kill() -> None:
     assert casualty(200, "error event: {'code': 'worker_failed'}")
     assert casualty(502, "status 502: worker_failed")
     assert casualty(200, "error event: {'code': 'engine_failed'}")
+    assert casualty(200, "error event: {'code': 'kv_handoff_failed'}")
     assert not casualty(200, "")  # a right answer
     assert not casualty(200, "stop string left in the text")  # a wrong answer stays wrong
     assert not casualty(400, "status 400 without an OpenAI-style JSON error")
