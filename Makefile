@@ -1,7 +1,8 @@
 # Two commands set up a fresh machine: `make serve` (the main job) and `make test`.
 PYTHON ?= python3
 VENV := .venv
-# Test workers (pytest-xdist). Each test file runs on one worker: module fixtures start once.
+# Test workers (pytest-xdist). Each test file runs on one worker: module fixtures start once; files
+# marked slow_file go first (tests/conftest.py), in the order collected.
 PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
@@ -28,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/mypy hybridserve
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test: lint unit
 

@@ -56,16 +56,32 @@ def tiny_dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[
     return get
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow_file(seconds): a file of about that much CPU time, scheduled before the others"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test must have its own node id: pytest-xdist schedules by id and runs one test of each id.
     schemathesis names each API operation's test ``test_fuzz[GET /health]`` but gives them one id (pytest
-    9 builds it from the original name), so each gets its operation as the id's parameters."""
+    9 builds it from the original name), so each gets its operation as the id's parameters.
+
+    Files marked ``slow_file`` run first, longest first (the Makefile runs xdist with
+    ``--no-loadscope-reorder``, which keeps this order): left for the end, a minute-long file of one or
+    two tests was the run's tail while the other worker sat idle."""
+    items.sort(key=_slow_first)
     for item in items:
         if type(item).__name__ == "SchemathesisFunction" and "[" not in item.nodeid:
             _set_id_params(item, item.name.partition("[")[2].removesuffix("]"))
     repeated = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
     if repeated:
         raise pytest.UsageError(f"tests share node ids (pytest-xdist would run one of each): {repeated}")
+
+
+def _slow_first(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("slow_file")
+    return -marker.kwargs["seconds"] if marker is not None else 0.0
 
 
 def _set_id_params(item: pytest.Item, params: str) -> None:

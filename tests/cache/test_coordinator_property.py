@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -15,6 +16,8 @@ from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.cache.spec import GroupKind
 from tests.cache.helpers import toy_specs
+
+pytestmark = pytest.mark.slow_file(seconds=50)  # scheduled first: never the run's tail
 
 BLOCK = 4
 LOOKBACK = 3

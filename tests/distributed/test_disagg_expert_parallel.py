@@ -27,6 +27,8 @@ from tests.server.conftest import Server, spawn_server, wait_healthy
 from tests.server.disagg_faults import CORRUPT_TOKENS
 from tests.server.test_disagg import ENGINE, Router, _choices, _post, _router_thread, _wait_router
 
+pytestmark = pytest.mark.slow_file(seconds=45)  # scheduled first: never the run's tail
+
 EXPERT_PARALLEL = ("--data-parallel-size", "2", "--enable-expert-parallel")
 
 

@@ -15,6 +15,8 @@ from tests.distributed.faults import KILL
 from tests.server.conftest import Server, spawn_server, stop_server, wait_healthy
 from tests.server.test_disagg import ENGINE, Router, _choices, _post, _router_thread, _wait_router
 
+pytestmark = pytest.mark.slow_file(seconds=70)  # scheduled first: never the run's tail
+
 EXPERT_PARALLEL = ("--data-parallel-size", "2", "--enable-expert-parallel")
 
 

@@ -31,6 +31,8 @@ from hybridserve.cli import main
 from tests.distributed.spec_oracle import ORACLE_ENV, write_oracle
 from tests.server.conftest import Server, free_port, spawn_server, stop_server, wait_healthy
 
+pytestmark = pytest.mark.slow_file(seconds=40)  # scheduled first: never the run's tail
+
 PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.1"
 ENGINE = ("--block-tokens", "8", "--num-threads", "1", "--max-num-seqs", "4", "--kv-transfer-timeout", "10")
 ENGINE += ("--kv-cache-dtype", "fp8", "--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "32")

@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hybridserve.bench.server_process import parse_metrics
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.request import SamplingParams
 from tests.server.conftest import API_KEY, spawn_server, stop_server, wait_healthy
+
+pytestmark = pytest.mark.slow_file(seconds=60)  # scheduled first: never the run's tail
 
 PROMPT = [5, 9, 14, 3, 27, 11]
 

@@ -22,6 +22,8 @@ from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dy
     null_rows_zero,
 )
 
+pytestmark = pytest.mark.slow_file(seconds=60)  # scheduled first: never the run's tail
+
 ENGINE = dict(block_tokens=16, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256)
 
 

@@ -25,6 +25,8 @@ from hybridserve.models.deepseek_v4 import DeepseekV4Model
 from hybridserve.models.loader import load_model
 from tests.tiny_models import VOCAB, TinySpec, make_checkpoint
 
+pytestmark = pytest.mark.slow_file(seconds=90)  # scheduled first: never the run's tail
+
 CHUNK, DECODE_STEPS, MAX_LEN = 7, 30, 256
 # Real rows of a padded bucket differ from the unpadded batch by fp32 rounding only: other GEMM row counts
 # (dummy rows) and longer masked reductions (padded N) regroup sums. Measured <= 1.2e-5 on logits of

@@ -20,6 +20,8 @@ from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dy
     prefill_runner,
 )
 
+pytestmark = pytest.mark.slow_file(seconds=125)  # scheduled first: never the run's tail
+
 
 @pytest.mark.parametrize("name", ["mixed", "csa_heavy", "yarn"])
 def test_compiled_prefill_matches_eager(

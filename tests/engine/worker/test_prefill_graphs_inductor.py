@@ -23,6 +23,8 @@ from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dy
 )
 from tests.tiny_models import TinySpec, make_checkpoint
 
+pytestmark = pytest.mark.slow_file(seconds=140)  # scheduled first: never the run's tail
+
 ODD_SIZES = TinySpec(  # 3 heads of 12, hidden 30 and experts of 10: rows not 16-byte aligned
     "odd_sizes",
     11,
