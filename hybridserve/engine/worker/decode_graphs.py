@@ -48,7 +48,13 @@ from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest
-from hybridserve.engine.worker.graph_calls import DirectCall, GraphCall, RecordingBackend, direct_call
+from hybridserve.engine.worker.graph_calls import (
+    DirectCall,
+    GraphCall,
+    RecordingBackend,
+    direct_call,
+    tracing,
+)
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.interface import CacheTensors, PagedModel, RowReads
@@ -303,7 +309,8 @@ class DecodeGraphRunner:
         """The key's first run, timed (it compiles a graph if none fits); eager if compiling fails."""
         start = time.perf_counter()
         try:
-            logits = self._compiled_run(entry) if self.compiled is not None else self._logits(entry)
+            with tracing():
+                logits = self._compiled_run(entry) if self.compiled is not None else self._logits(entry)
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
             log.warning("torch.compile of the decode step failed; decoding eagerly", exc_info=True)
             self.compiled = None

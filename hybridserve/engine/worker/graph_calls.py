@@ -17,11 +17,18 @@ the decode step reads its buffers and writes tensors, nothing else.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def tracing() -> AbstractContextManager[None]:
+    """Dynamo's settings while it traces a step graph: fake tensors without their dispatch cache. On these
+    graphs (thousands of ops on tensors of symbolic sizes) the cache costs more than it saves: without it
+    a prefill graph traced about 30% faster, a decode graph about 15% (tiny test models, eager backend)."""
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
 
 
 @dataclass

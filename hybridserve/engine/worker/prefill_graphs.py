@@ -46,7 +46,7 @@ from hybridserve.engine.worker.decode_graphs import (
     row_bucket,
     table_width,
 )
-from hybridserve.engine.worker.graph_calls import RecordingBackend
+from hybridserve.engine.worker.graph_calls import RecordingBackend, tracing
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import Experts
 from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
@@ -161,7 +161,7 @@ class PrefillGraphRunner:
             # Without duck shaping, a size that happens to equal another (a bucketed row count and a head
             # dim) gets its own symbol, so the trace cannot specialise it along with the other. Only
             # traces need it: serving never traces (``eager_on_recompile``).
-            with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            with fx_config.patch(use_duck_shape=False), tracing():  # type: ignore[attr-defined]
                 self._call(batch, self._meta(batch))
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
             log.warning("torch.compile of prefill steps failed; they run eagerly", exc_info=True)
