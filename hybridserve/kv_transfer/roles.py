@@ -94,7 +94,10 @@ class DecodeRole:
     def cancel(self, request_id: str) -> None:
         self.receiver.cancel(request_id)
         self.importing.pop(request_id, None)
-        self.waiting = deque(w for w in self.waiting if w.request.request_id != request_id)
+        queued = [w.request for w in self.waiting if w.request.request_id == request_id]
+        if queued:  # never pulled: the prefill worker may free its blocks now
+            self.waiting = deque(w for w in self.waiting if w.request.request_id != request_id)
+            self.receiver.release([_handoff(r) for r in queued])
 
     @property
     def busy(self) -> bool:
@@ -142,6 +145,7 @@ class DecodeRole:
                 if self.waiting[0].deadline >= now:
                     break  # under memory pressure the queue waits, in order
                 self.waiting.popleft()
+                self.receiver.release([_handoff(req)])
                 failed.append((req.request_id, self._starved(req)))
                 continue
             self.waiting.popleft()

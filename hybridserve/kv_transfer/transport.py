@@ -11,6 +11,7 @@ and never block it, except for the one-time connect of a new pair (bounded by th
     post the receive on PullReply ok          (held handles nobody pulls expire after the timeout)
     Renew(handles)                  ---->    the decode worker still queues them (waiting for room):
                                               their timeout starts again
+    Release(handles)                ---->    it will never pull them (cancelled before its pull): free
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class Renew(msgspec.Struct, tag="renew"):
     handles: list[str]
 
 
+class Release(msgspec.Struct, tag="release"):
+    handles: list[str]
+
+
 class PullReply(msgspec.Struct, tag="pulled"):
     handle: str
     ok: bool
@@ -84,7 +89,7 @@ class PullReply(msgspec.Struct, tag="pulled"):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_to_prefill = msgspec.msgpack.Decoder(Connect | Pull | Renew)
+_to_prefill = msgspec.msgpack.Decoder(Connect | Pull | Renew | Release)
 _to_decode = msgspec.msgpack.Decoder(ConnectReply | PullReply)
 
 
@@ -185,6 +190,9 @@ class KvSender(_HandoffEnd):
                 self._connect(identity, message)
             elif isinstance(message, Renew):
                 self._renew(message.handles)
+            elif isinstance(message, Release):
+                for handle in message.handles:
+                    self.release(handle)
             else:
                 self.socket.send_multipart([identity, _encoder.encode(self._pull(identity, message))])
         self._finish_sends()
@@ -335,17 +343,27 @@ class KvReceiver(_HandoffEnd):
 
     def renew(self, handoffs: list[KvHandoff]) -> None:
         """Tell each prefill worker that these handoffs are still wanted (queued here, waiting for room),
-        so that it keeps their blocks for another timeout. Best effort: an unreachable worker is left for
-        the pull to report."""
+        so that it keeps their blocks for another timeout."""
+        self._tell(handoffs, Renew)
+
+    def release(self, handoffs: list[KvHandoff]) -> None:
+        """Tell each prefill worker that these handoffs will never be pulled (their requests ended before
+        their pull), so that it frees their blocks now rather than at the timeout."""
+        self._tell(handoffs, Release)
+
+    def _tell(self, handoffs: list[KvHandoff], message: type[Renew] | type[Release]) -> None:
+        """Best effort: an unreachable prefill worker is left to its own timeout (or the pull's error)."""
         by_control: dict[str, list[str]] = {}
         for handoff in handoffs:
             by_control.setdefault(handoff.control, []).append(handoff.handle)
         for control, handles in by_control.items():
             handoff = next(h for h in handoffs if h.control == control)
             try:
-                self._peer(handoff).socket.send(_encoder.encode(Renew(handles)), zmq.NOBLOCK)
-            except Exception as exc:  # the pull itself will fail, with the reason
-                log.warning("could not renew %d handoffs at %s: %s", len(handles), control, exc)
+                self._peer(handoff).socket.send(_encoder.encode(message(handles)), zmq.NOBLOCK)
+            except Exception as exc:
+                log.warning(
+                    "could not send %s of %d handoffs to %s: %s", message.__name__, len(handles), control, exc
+                )
 
     def cancel(self, request_id: str) -> bool:
         imp = self.imports.pop(request_id, None)

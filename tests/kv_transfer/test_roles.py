@@ -27,9 +27,13 @@ class FakeReceiver:
     ended: list[tuple[str, str | None]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # pull times of the imports that arrived
     renewed: list[list[str]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
 
     def renew(self, handoffs: list[KvHandoff]) -> None:
         self.renewed.append([h.handle for h in handoffs])
+
+    def release(self, handoffs: list[KvHandoff]) -> None:
+        self.released += [h.handle for h in handoffs]
 
     def start(self, request_id: str, handoff: KvHandoff) -> None:
         self.started.append(request_id)
@@ -81,11 +85,12 @@ def test_imports_wait_in_order_under_memory_pressure_then_run() -> None:
 
 
 def test_an_import_that_never_fits_fails_past_the_timeout_and_a_cancel_frees_its_blocks() -> None:
-    role, _, coordinator = _setup(num_blocks=6, timeout_s=0.0)
+    role, receiver, coordinator = _setup(num_blocks=6, timeout_s=0.0)
     role.add(_imported("a", 30))
     role.add(_imported("b", 30))
     failed = role.poll()  # a starts at once; b's deadline (0 s) has passed
     assert [rid for rid, _ in failed] == ["b"] and "--kv-cache-memory" in failed[0][1]
+    assert receiver.released == ["b"]  # its prefill worker frees b's blocks now, not at its timeout
     role.cancel("a")
     coordinator.release("a")  # what EngineCore.finish_request does after the cancel
     assert not role.busy and coordinator.pools.all_free()
@@ -104,3 +109,17 @@ def test_queued_imports_renew_their_prefill_leases_every_quarter_timeout() -> No
     role._next_renewal -= receiver.timeout_s / 4
     role.poll()
     assert receiver.renewed[-1] == ["b", "c"]  # a is importing: only the queue is renewed
+
+
+def test_a_request_cancelled_before_its_pull_releases_its_prefill_blocks() -> None:
+    """A client that disconnects (or aborts) while its request waits here for room: the prefill worker
+    is told to free the blocks at once (the soak saw ~10 a minute wait out the 30 s timeout instead)."""
+    role, receiver, coordinator = _setup(num_blocks=6)
+    role.add(_imported("a", 30))
+    role.add(_imported("b", 30))
+    role.poll()  # a pulls; b waits for room
+    role.cancel("b")
+    role.cancel("a")  # a's pull was sent: the prefill worker already let go of its hold
+    assert receiver.released == ["b"] and not role.busy
+    coordinator.release("a")
+    assert coordinator.pools.all_free()
