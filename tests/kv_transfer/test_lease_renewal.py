@@ -4,8 +4,10 @@ Release frees them at once; handles it does not hold are ignored."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import msgspec
+import pytest
 import torch
 import zmq
 
@@ -16,44 +18,44 @@ from hybridserve.kv_transfer.transfer_group import PlanFingerprint
 from hybridserve.kv_transfer.transport import KvSender, Release, Renew
 from tests.cache.helpers import toy_specs
 
+HELD = ("a", "b")
 
-def test_a_renew_keeps_the_named_handles_and_the_others_expire() -> None:
+
+@pytest.fixture
+def sender() -> Iterator[KvSender]:
+    """A prefill end holding requests a and b (20 tokens each)."""
     plan = build_plan(toy_specs(), 8, 8, 64, num_blocks=48)
     coordinator = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"), enable_prefix_caching=False)
-    sender = KvSender(coordinator, PlanFingerprint.of(plan, "toy", torch.float32), torch.device("cpu"))
-    dealer = sender._ctx.socket(zmq.DEALER)
-    try:
-        for rid in ("kept", "dropped"):
-            assert coordinator.allocate(rid, 0, 20)
-            sender.hold(rid, 20)
-            sender.held[rid].deadline = time.monotonic() - 1  # both past their timeout
-        dealer.connect(sender.control)
-        dealer.send(msgspec.msgpack.encode(Renew(["kept", "unknown"])))
-        assert sender.socket.poll(10_000)
-        sender.poll()  # reads the Renew before it expires anything
-        assert list(sender.held) == ["kept"] and sender.stats.expired == 1
-        assert sender.held["kept"].deadline > time.monotonic() + sender.timeout_s - 5
-        assert not coordinator.has_request("dropped") and coordinator.has_request("kept")
-    finally:
-        dealer.close(linger=0)
-        sender.close()
+    end = KvSender(coordinator, PlanFingerprint.of(plan, "toy", torch.float32), torch.device("cpu"))
+    for rid in HELD:
+        assert coordinator.allocate(rid, 0, 20)
+        end.hold(rid, 20)
+    yield end
+    end.close()
 
 
-def test_a_release_frees_the_named_handles_at_once() -> None:
-    plan = build_plan(toy_specs(), 8, 8, 64, num_blocks=48)
-    coordinator = KvCacheCoordinator(plan, BlockPoolSet(plan, "cpu"), enable_prefix_caching=False)
-    sender = KvSender(coordinator, PlanFingerprint.of(plan, "toy", torch.float32), torch.device("cpu"))
+def _tell(sender: KvSender, message: Renew | Release) -> None:
+    """Send ``message`` as a decode worker would, then let the prefill end read it."""
     dealer = sender._ctx.socket(zmq.DEALER)
     try:
-        for rid in ("gone", "wanted"):
-            assert coordinator.allocate(rid, 0, 20)
-            sender.hold(rid, 20)
         dealer.connect(sender.control)
-        dealer.send(msgspec.msgpack.encode(Release(["gone", "unknown"])))
+        dealer.send(msgspec.msgpack.encode(message))
         assert sender.socket.poll(10_000)
-        sender.poll()
-        assert list(sender.held) == ["wanted"] and sender.stats.expired == 0
-        assert not coordinator.has_request("gone") and coordinator.has_request("wanted")
+        sender.poll()  # reads the message before it expires anything
     finally:
         dealer.close(linger=0)
-        sender.close()
+
+
+def test_a_renew_keeps_the_named_handles_and_the_others_expire(sender: KvSender) -> None:
+    for rid in HELD:
+        sender.held[rid].deadline = time.monotonic() - 1  # both past their timeout
+    _tell(sender, Renew(["a", "unknown"]))
+    assert list(sender.held) == ["a"] and sender.stats.expired == 1
+    assert sender.held["a"].deadline > time.monotonic() + sender.timeout_s - 5
+    assert sender.coordinator.has_request("a") and not sender.coordinator.has_request("b")
+
+
+def test_a_release_frees_the_named_handles_at_once(sender: KvSender) -> None:
+    _tell(sender, Release(["a", "unknown"]))
+    assert list(sender.held) == ["b"] and sender.stats.expired == 0
+    assert not sender.coordinator.has_request("a") and sender.coordinator.has_request("b")
