@@ -94,10 +94,10 @@ class DecodeRole:
     def cancel(self, request_id: str) -> None:
         self.receiver.cancel(request_id)
         self.importing.pop(request_id, None)
-        queued = [w.request for w in self.waiting if w.request.request_id == request_id]
-        if queued:  # never pulled: the prefill worker may free its blocks now
-            self.waiting = deque(w for w in self.waiting if w.request.request_id != request_id)
-            self.receiver.release([_handoff(r) for r in queued])
+        queued = next((w for w in self.waiting if w.request.request_id == request_id), None)
+        if queued is not None:  # never pulled: the prefill worker may free its blocks now
+            self.waiting.remove(queued)
+            self.receiver.release([_handoff(queued.request)])
 
     @property
     def busy(self) -> bool:

@@ -353,16 +353,16 @@ class KvReceiver(_HandoffEnd):
 
     def _tell(self, handoffs: list[KvHandoff], message: type[Renew] | type[Release]) -> None:
         """Best effort: an unreachable prefill worker is left to its own timeout (or the pull's error)."""
-        by_control: dict[str, list[str]] = {}
+        by_peer: dict[str, list[KvHandoff]] = {}
         for handoff in handoffs:
-            by_control.setdefault(handoff.control, []).append(handoff.handle)
-        for control, handles in by_control.items():
-            handoff = next(h for h in handoffs if h.control == control)
+            by_peer.setdefault(handoff.control, []).append(handoff)
+        for control, same in by_peer.items():
             try:
-                self._peer(handoff).socket.send(_encoder.encode(message(handles)), zmq.NOBLOCK)
+                peer = self._peer(same[0])
+                peer.socket.send(_encoder.encode(message([h.handle for h in same])), zmq.NOBLOCK)
             except Exception as exc:
                 log.warning(
-                    "could not send %s of %d handoffs to %s: %s", message.__name__, len(handles), control, exc
+                    "could not send %s of %d handoffs to %s: %s", message.__name__, len(same), control, exc
                 )
 
     def cancel(self, request_id: str) -> bool:

@@ -299,9 +299,11 @@ class EngineCore:
         scheduler, failed ones finish with an error in the next step's outputs."""
         for request_id, error in self.role.poll() if self.role is not None else []:
             if self.finish_request(request_id, FinishReason.ERROR):
-                failed = EngineCoreOutput(request_id, [], None, FinishReason.ERROR, error=error)
-                failed.handoff_failed = True
-                self._early.append(failed)
+                self._early.append(
+                    EngineCoreOutput(
+                        request_id, [], None, FinishReason.ERROR, error=error, handoff_failed=True
+                    )
+                )
 
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode/decoder.py.
