@@ -15,8 +15,10 @@ also counts the time other processes held the core).
     python benchmarks/spec_decode.py --threads 1 --output-len 64 --concurrency 1 --repeats 3 \
         --json benchmarks/results/spec_decode_c1.json
 
-With ``--compile`` every engine runs ``--compile-decode --compile-prefill`` (warmed up before the clock
-starts): k = 0 decodes through its decode graphs, k > 0 verifies drafts through the prefill graph.
+Every engine is the default one, compiled and warmed up before the clock starts (``--enforce-eager``: eager
+engines): k = 0 decodes through its decode graphs; k > 0 verifies drafts through them too (a row per token)
+and drafts through the MTP layer's draft graphs. Each configuration's engine is built once per c; its runs
+reuse it, prefix cache emptied. Also reported: each run's MTP forwards by path.
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ def _prompts(model: str, n: int, words: int = 24) -> list[list[int]]:
     return [tok.encode(" ".join(text[i * 97 : i * 97 + words])) for i in range(n)]
 
 
-def run(
-    model: str, c: int, temperature: float, k: int, adaptive: bool, output_len: int, compile: bool = False
-) -> dict[str, Any]:
+def engine(model: str, c: int, k: int, adaptive: bool, eager: bool) -> EngineCore:
+    """One configuration's engine, its graphs compiled before any clock starts."""
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive} if k else None
-    compiled = {"compile_decode": True, "compile_prefill": True} if compile else {}
-    core = EngineCore(EngineConfig(model=model, max_num_seqs=max(c, 1), speculative_config=spec, **compiled))
-    if compile:
-        core.warmup()
+    config = EngineConfig(model=model, max_num_seqs=max(c, 1), speculative_config=spec, enforce_eager=eager)
+    core = EngineCore(config)
+    core.warmup()
+    return core
+
+
+def run(core: EngineCore, model: str, c: int, temperature: float, k: int, output_len: int) -> dict[str, Any]:
+    """One timed run of c requests on ``core`` (its prefix cache emptied first: every run prefills)."""
+    core.reset_prefix_cache()
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0)
     prompts = _prompts(model, c)
     # Warm-up: one short request, not measured.
@@ -77,7 +83,7 @@ def run(
         "concurrency": c,
         "temperature": temperature,
         "k": k,
-        "adaptive": adaptive,
+        "adaptive": bool(core.spec and core.spec.control.adaptive),
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall,
@@ -88,6 +94,7 @@ def run(
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "steps": snap.steps - base.steps,
         "steps_by_path": {p: n - base.steps_by_path.get(p, 0) for p, n in snap.steps_by_path.items()},
+        "drafts_by_path": {p: n - base.drafts_by_path.get(p, 0) for p, n in snap.drafts_by_path.items()},
     }
 
 
@@ -101,7 +108,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--compile", action="store_true", help="--compile-decode --compile-prefill engines")
+    ap.add_argument("--enforce-eager", action="store_true", help="eager engines (default: compiled, warmed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -111,19 +118,16 @@ def main() -> None:
     )
     specs = args.ks.split(",")
     for c in (int(x) for x in args.concurrency.split(",")):
+        cores = {
+            s: engine(args.checkpoint, c, int(s.rstrip("a")), s.endswith("a"), args.enforce_eager)
+            for s in specs
+        }
         for temperature in (float(x) for x in args.temperatures.split(",")):
             best: dict[str, dict[str, Any]] = {}
             for _ in range(args.repeats):  # interleaved, so that load changes hit every configuration
                 for spec in specs:
-                    r = run(
-                        args.checkpoint,
-                        c,
-                        temperature,
-                        int(spec.rstrip("a")),
-                        spec.endswith("a"),
-                        args.output_len,
-                        args.compile,
-                    )
+                    k = int(spec.rstrip("a"))
+                    r = run(cores[spec], args.checkpoint, c, temperature, k, args.output_len)
                     if spec not in best or r["output_tok_s"] > best[spec]["output_tok_s"]:
                         best[spec] = r
             for spec in specs:

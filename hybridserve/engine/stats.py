@@ -63,6 +63,7 @@ class EngineSnapshot:
     steps: int = 0
     failed_steps: int = 0
     steps_by_path: dict[str, int] = field(default_factory=dict)  # ModelRunner.execute's paths -> steps
+    drafts_by_path: dict[str, int] = field(default_factory=dict)  # MTP forwards: "graph" / "eager" -> runs
     compiled_ready_s: dict[str, float] = field(default_factory=dict)  # compiled part -> s after start-up
     full_speed_s: float | None = None  # s after start-up when every compiled part was ready (None: not yet)
     dp_rank: int = 0

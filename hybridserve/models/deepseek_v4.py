@@ -415,6 +415,32 @@ class DeepseekV4Model(nn.Module):
         own = _mtp_cache(layer, cache)
         return layer(streams, embeds, batch.input_ids, self.attention_meta(view), own, self.rotary())
 
+    @torch.no_grad()  # not inference_mode: compiled draft steps take normal tensors
+    def mtp_decode(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        max_position: int,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """``mtp_forward`` of a padded batch of one-token rows, its metadata built from the batch's device
+        tensors (``decode_meta``), so that it runs inside a compiled draft step."""
+        layer = self._mtp_layer(depth)
+        tables = {WINDOW_KV: batch.block_tables[MTP_KV]}  # dynamo traces no dataclasses.replace
+        view = ForwardBatch(
+            batch.input_ids,
+            batch.positions,
+            batch.req_indices,
+            batch.seq_ends,
+            tables,
+            batch.block_tokens,
+            batch.logits_indices,
+        )
+        meta = self.decode_meta(view, {}, max_position)
+        embeds = self.embed_tokens(batch.input_ids)
+        return layer(streams, embeds, batch.input_ids, meta, _mtp_cache(layer, cache), self.rotary())
+
     @torch.inference_mode()
     def mtp_write_kv(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0

@@ -113,6 +113,18 @@ class PagedModel(Protocol[M]):
         """Draft layer ``depth`` at positions t from streams at t and tokens t+1 -> its streams."""
         ...
 
+    def mtp_decode(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        max_position: int,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """``mtp_forward`` of a padded batch of one-token rows from device tensors alone (as
+        ``decode_meta``), so that it runs inside a compiled draft step."""
+        ...
+
     def mtp_write_kv(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
     ) -> None:

@@ -190,6 +190,16 @@ class TinyDenseModel(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError(f"{NAME} has no draft layers")
 
+    def mtp_decode(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        max_position: int,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        raise NotImplementedError(f"{NAME} has no draft layers")
+
     def mtp_write_kv(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
     ) -> None:

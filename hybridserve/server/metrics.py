@@ -182,6 +182,14 @@ def _spec_decode_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield _counter(
         "hybridserve_spec_decode_num_accepted_tokens", "draft tokens accepted", stats.spec_num_accepted_tokens
     )
+    forwards = CounterMetricFamily(
+        "hybridserve_spec_decode_draft_forwards_by_path",
+        "MTP layer forwards that drafted: through a compiled draft graph, or eager",
+        labels=["path"],
+    )
+    for path in ("graph", "eager"):
+        forwards.add_metric([path], stats.drafts_by_path.get(path, 0))
+    yield forwards
     per_pos = CounterMetricFamily(
         "hybridserve_spec_decode_num_accepted_tokens_per_pos",
         "draft tokens accepted at each draft position",

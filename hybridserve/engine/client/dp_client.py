@@ -320,6 +320,8 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             merged.expert_tokens[expert] = merged.expert_tokens.get(expert, 0) + n
         for path, n in s.steps_by_path.items():
             merged.steps_by_path[path] = merged.steps_by_path.get(path, 0) + n
+        for path, n in s.drafts_by_path.items():
+            merged.drafts_by_path[path] = merged.drafts_by_path.get(path, 0) + n
         for part, t in s.compiled_ready_s.items():  # the slowest rank's
             merged.compiled_ready_s[part] = max(merged.compiled_ready_s.get(part, 0.0), t)
         merged.spec_accepted_per_pos = _add_lists(merged.spec_accepted_per_pos, s.spec_accepted_per_pos)

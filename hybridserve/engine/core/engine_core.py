@@ -97,10 +97,11 @@ class EngineCore:
 
     def _build_runner(self) -> ModelRunner:
         """The worker, with what its compile policy (engine/worker/compile_policy.py) chose. With
-        --speculative-config engine/spec_decode/decoder.py runs every step: one that verifies no drafts
-        takes a decode graph (which then keeps its streams for the MTP layer), one that does the prefill
-        graph."""
-        speculative = self.config.speculative is not None
+        --speculative-config engine/spec_decode/decoder.py runs every step: a decode step, or one that
+        verifies up to k drafts per request, takes a decode graph (which then keeps its streams for the MTP
+        layer); others take the prefill graph."""
+        spec = self.config.speculative
+        speculative = spec is not None
         policy = CompilePolicy.choose(
             self.config.compile_config, self.device, self.group is not None, self.model.info, speculative
         )
@@ -115,6 +116,7 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             keep_streams=speculative,
+            tokens_per_request=1 + (spec.num_speculative_tokens if spec is not None else 0),
         )
 
     def _join_group(self) -> ProcessGroup | None:
@@ -469,6 +471,7 @@ class EngineCore:
             steps=self.stats.steps,
             failed_steps=self.stats.failed_steps,
             steps_by_path=dict(self.runner.steps_by_path),
+            drafts_by_path=dict(self.runner.drafts_by_path),
             compiled_ready_s=dict(self.runner.graphs.ready_after),
             full_speed_s=self.runner.graphs.full_speed_after,
             dp_rank=self.config.data_parallel_rank,

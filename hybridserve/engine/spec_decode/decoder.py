@@ -80,9 +80,9 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[Verified]:
-        """Trunk forward over every scheduled token (``ModelRunner.forward``: a step that verifies no drafts
-        may take a decode graph, one that does the prefill graph); one Verified per scheduled request that
-        samples."""
+        """Trunk forward over every scheduled token (``ModelRunner.forward``: a decode step or one that
+        verifies up to k drafts per request may take a decode graph, others the prefill graph); one
+        Verified per scheduled request that samples."""
         logits, self._streams = self.runner.forward(out.scheduled, keep_streams=True)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
@@ -127,19 +127,42 @@ class SpecDecoder:
             rows = streams[kv.rows_tensor(self.device)]
             self.model.mtp_write_kv(rows, self._batch(*kv.batch()), self.cache)
         if full.requests:
-            out = self.model.mtp_forward(
-                streams[full.rows_tensor(self.device)], self._batch(*full.batch()), self.cache
-            )
+            out, logits = self._mtp(streams[full.rows_tensor(self.device)], *full.batch())
             last = torch.tensor(full.last_rows(), device=self.device)
             active = [n for n in drafts if n]
             assert len(active) == len(full.requests)
-            self._draft_chain(full.requests, out[last], active)
+            self._draft_chain(full.requests, out[last], None if logits is None else logits[last], active)
 
-    def _draft_chain(self, requests: list[Request], prev: torch.Tensor, drafts: list[int]) -> None:
-        """Draft 1 from ``prev``, the MTP layer's output at each request's last verified position; draft
-        j + 1 from the layer run again on draft j and its own output, one position further."""
+    def _mtp(
+        self,
+        streams: torch.Tensor,
+        requests: list[Request],
+        ids: list[int],
+        starts: list[int],
+        ends: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MTP layer over positions [starts[i], ends[i]) of request i (``streams`` there, ``ids`` the
+        tokens after them) -> its streams, and their draft logits where the draft graph ran it (else None:
+        the caller computes those it needs)."""
+        positions: list[int] = []
+        tables: list[dict[str, list[int]]] = []
+        for req, start, end in zip(requests, starts, ends, strict=True):
+            positions += range(start, end)
+            tables += [self.coordinator.block_tables(req.request_id)] * (end - start)
+        drafted = self.runner.draft(streams, ids, positions, tables)
+        if drafted is not None:
+            logits, out = drafted
+            return out, logits
+        return self.model.mtp_forward(streams, self._batch(requests, ids, starts, ends), self.cache), None
+
+    def _draft_chain(
+        self, requests: list[Request], prev: torch.Tensor, logits: torch.Tensor | None, drafts: list[int]
+    ) -> None:
+        """Draft 1 from ``prev``, the MTP layer's output at each request's last verified position (and its
+        draft logits, if computed); draft j + 1 from the layer run again on draft j and its own output, one
+        position further."""
         active = list(range(len(requests)))
-        self._sample_drafts(requests, prev)
+        self._sample_drafts(requests, prev, logits)
         for depth in range(1, self.k):
             keep = [j for j, i in enumerate(active) if drafts[i] > depth]
             if not keep:
@@ -149,8 +172,10 @@ class SpecDecoder:
             reqs = [requests[i] for i in active]
             ids = [r.spec_token_ids[-1] for r in reqs]
             at = [r.num_computed_tokens + depth - 1 for r in reqs]
-            prev = self.model.mtp_forward(prev, self._batch(reqs, ids, at, [p + 1 for p in at]), self.cache)
-            self._sample_drafts(reqs, prev)
+            prev, logits = self._mtp(prev, reqs, ids, at, [p + 1 for p in at])
+            if logits is not None:  # views of the draft graph's buffers, which its next run rewrites
+                prev, logits = prev.clone(), logits.clone()
+            self._sample_drafts(reqs, prev, logits)
 
     def _chain_room(self, req: Request, n: int) -> int:
         """Drafts 2..n write MTP rows at positions c..c+n-2: take their blocks now, or draft just one."""
@@ -159,8 +184,12 @@ class SpecDecoder:
         c = req.num_computed_tokens
         return n if self.coordinator.allocate(req.request_id, c, c + n - 1) else 1
 
-    def _sample_drafts(self, requests: list[Request], streams: torch.Tensor) -> None:
-        tokens, probs = self.rejection.draft(self.model.mtp_logits(streams), requests)
+    def _sample_drafts(
+        self, requests: list[Request], streams: torch.Tensor, logits: torch.Tensor | None
+    ) -> None:
+        if logits is None:
+            logits = self.model.mtp_logits(streams)
+        tokens, probs = self.rejection.draft(logits, requests)
         for i, (req, tok) in enumerate(zip(requests, tokens, strict=True)):
             req.spec_token_ids.append(tok)
             if not req.params.greedy and probs is not None:

@@ -1,14 +1,20 @@
 """Static-shaped decode steps, bucketed by batch size, replayed as CUDA graphs (vLLM's scheme).
 
-A pure-decode step (every request computes one token) of R requests is padded to the next bucket B in
-(1, 2, 4, ..., max_num_seqs) with dummy requests: position 0, every block-table entry the null block,
-token id 0. The step copies only its token ids, positions and block tables (padded to a power-of-two
-width) into the persistent buffers of its shape key (B, N per compressed branch, table width); each
-branch's row reads (``PagedModel.row_reads``) are padded to a bucketed row count N (powers of two, at
-most ``max_model_len // m``). The attention metadata is built from those buffers inside the step
-(``PagedModel.decode_meta``; DeepSeek-V4: one compressed-window entry per request and branch, no host
-layout), then the forward, the logits of all B rows and the re-zeroing of the null blocks run: as one
-captured ``torch.cuda.CUDAGraph`` per key on CUDA, eagerly (or compiled) elsewhere.
+A step is a batch of one-token rows: a pure-decode step's requests, or (``tokens_per_request`` > 1) the
+1 + k tokens of each request of a speculative verify step, each token a row with its request's tables
+at its own position (each layer writes the whole step before any row reads, so a later row sees its
+request's earlier ones, as in a prefill chunk). R rows are padded to the next bucket B in (1, 2, 4, ...,
+max_num_seqs x tokens_per_request) with dummy rows: position 0, every block-table entry the null block,
+token id 0. A ``draft`` runner runs the MTP layer's rows the same way (``run_draft``: its input streams
+in one more buffer; the draft group's table only).
+
+The step copies only its token ids, positions and block tables (padded to a power-of-two width) into the
+persistent buffers of its shape key (B, N per compressed branch, table width); each branch's row reads
+(``PagedModel.row_reads``) are padded to a bucketed row count N (powers of two, at most ``max_model_len //
+m``). The attention metadata is built from those buffers inside the step (``PagedModel.decode_meta``;
+DeepSeek-V4: one compressed-window entry per request and branch, no host layout), then the forward, the
+logits of all B rows and the re-zeroing of the null blocks run: as one captured ``torch.cuda.CUDAGraph`` per
+key on CUDA, eagerly (or compiled) elsewhere.
 
 Dummy rows write their own token's inputs into row 0 of the null block of every per-token group (and
 the window-padding entries then pool them into the null row of the compressed groups). Nothing reads
@@ -100,6 +106,7 @@ class StaticDecode:
     rows: dict[str, torch.Tensor]  # per compressed branch: arange(N) of its row reads
     logits: torch.Tensor | None = None  # [B, V], written by every run
     streams: torch.Tensor | None = None  # [B, hc, D] pre-head streams, written by every run if kept
+    inputs: torch.Tensor | None = None  # [B, hc, D] a draft step's input streams (the trunk's or its own)
     graph: torch.cuda.CUDAGraph | None = None
     ran: bool = False  # the first run of a key may compile
     calls: list[GraphCall] = field(default_factory=list)  # the graph calls of the key's last compiled run
@@ -118,8 +125,9 @@ class StaticDecode:
             torch._dynamo.maybe_mark_dynamic(table, 1)
         for ids in self.rows.values():
             torch._dynamo.maybe_mark_dynamic(ids, 0)
-        if self.streams is not None and b > 1:
-            torch._dynamo.maybe_mark_dynamic(self.streams, 0)
+        for streams in (self.streams, self.inputs):
+            if streams is not None and b > 1:
+                torch._dynamo.maybe_mark_dynamic(streams, 0)
 
 
 class DecodeGraphRunner:
@@ -138,20 +146,28 @@ class DecodeGraphRunner:
         pad_rows: bool = True,
         compiled: bool = False,
         keep_streams: bool = False,
+        tokens_per_request: int = 1,
+        draft: bool = False,
     ) -> None:
-        """``batch_sizes``: the buckets (default ``batch_buckets``); ``pad_rows``: bucket N (else exact);
+        """``batch_sizes``: the row buckets (default ``batch_buckets`` of ``max_num_seqs`` x
+        ``tokens_per_request``, the most tokens a request computes in a step the graphs run: 1 + k in a
+        speculative engine, whose verify steps then run here too); ``pad_rows``: bucket N (else exact);
         ``compiled``: the static step through ``torch.compile`` (see the module docstring);
         ``keep_streams``: every step also copies its pre-head streams into a buffer of its key (the MTP
-        layer of a speculative engine reads them, ``run_keeping_streams``)."""
+        layer of a speculative engine reads them, ``run_keeping_streams``); ``draft``: the steps are the
+        draft (MTP) layer's over the draft group (``run_draft``), not the trunk's."""
         self.model, self.coordinator, self.device = model, coordinator, device
-        self.keep_streams = keep_streams
+        self.draft = draft
+        self.keep_streams = keep_streams or draft
         self.cache: CacheTensors = pools.graph_tensors() if compiled else pools.tensors()
-        self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs))
+        self.tokens_per_request = tokens_per_request
+        self.buckets = sorted(batch_sizes or batch_buckets(max_num_seqs * tokens_per_request))
         self.pad_rows = pad_rows
         self.max_model_len = max_model_len
         self.use_graphs = use_graphs and device.type == "cuda"
         self.null_rows = pools.null_rows()
-        self.group_names = [g.spec.name for g in coordinator.plan.groups]
+        groups = [g.spec.name for g in coordinator.plan.groups]
+        self.group_names = [model.info.draft_group or ""] if draft else groups
         for rotary in model.rotary().values():  # the step looks positions up in tables that never grow
             rotary.reserve(max_model_len + 1)
         self.entries: dict[tuple[int, ...], StaticDecode] = {}  # (B, N per branch..., table width)
@@ -172,10 +188,12 @@ class DecodeGraphRunner:
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A step of one-token rows only (decodes, or one-token prompt chunks that gather no prompt
-        logprobs: the static step computes no prompt logprobs), no more than the largest bucket."""
-        one_token = all(s.num_tokens == 1 and not gathers_prompt_logprobs(s) for s in scheduled)
-        return bool(scheduled) and one_token and len(scheduled) <= self.buckets[-1]
+        """A step whose requests compute at most ``tokens_per_request`` tokens each (decodes; in a
+        speculative engine a token and the drafts it verifies; short prompt chunks) and gather no prompt
+        logprobs (the static step computes none), in no more rows than the largest bucket."""
+        short = all(s.num_tokens <= self.tokens_per_request for s in scheduled)
+        short = short and not any(gathers_prompt_logprobs(s) for s in scheduled)
+        return bool(scheduled) and short and sum(s.num_tokens for s in scheduled) <= self.buckets[-1]
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -191,38 +209,79 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], size: int = 0) -> torch.Tensor:
-        """Logits [R, V] of every scheduled request (all of a pure-decode step's rows), in order; the
-        batch padded to the bucket of ``max(len(scheduled), size)`` with dummies (position 0, token 0,
-        all-null tables)."""
-        r, b = len(scheduled), self.bucket(max(len(scheduled), size))
-        starts = [s.start for s in scheduled] + [0] * (b - r)
-        ids = [s.request.all_token_ids[s.start] for s in scheduled] + [0] * (b - r)
-        layout = BatchLayout(tuple(starts), tuple(p + 1 for p in starts))
-        rows = {name: self._rows(reads) for name, reads in self.model.row_reads(layout).items()}
-        tables = self._tables(scheduled, b)
+        """Logits [T, V] of every token the scheduled requests compute, in order; the rows padded to the
+        bucket of ``max(T, size)`` with dummies (position 0, token 0, all-null tables).
+
+        Every token is a row of its own, its request's table repeated: a request's rows sit at consecutive
+        positions, and each layer writes the whole step's window KV, compressor inputs and completed rows
+        before any row reads, so a later row sees the earlier ones as a prefill chunk's tokens do."""
+        ids: list[int] = []
+        positions: list[int] = []
+        tables: list[dict[str, list[int]]] = []
+        for s in scheduled:
+            ids += s.token_ids if s.num_spec else s.request.all_token_ids[s.start : s.end]
+            positions += range(s.start, s.end)
+            tables += [self.coordinator.block_tables(s.request.request_id)] * s.num_tokens
+        return self._step(ids, positions, tables, size)
+
+    @torch.inference_mode()
+    def run_draft(
+        self, streams: torch.Tensor, ids: list[int], positions: list[int], tables: list[dict[str, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer (``draft``) over T rows: row i at ``positions[i]`` from ``streams[i]`` and the
+        next token ``ids[i]``, with its request's ``tables[i]`` -> (draft logits [T, V], the layer's
+        streams [T, hc, D]), views of the key's buffers (valid until it runs again)."""
+        assert self.draft, "built for the trunk's steps"
+        t = len(ids)
+        logits = self._step(ids, positions, tables, 0, streams)
+        assert self._last is not None and self._last.streams is not None
+        return logits, self._last.streams[:t]
+
+    def _step(
+        self,
+        ids: list[int],
+        positions: list[int],
+        tables: list[dict[str, list[int]]],
+        size: int,
+        inputs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One padded static step over rows (token, position, tables) -> the rows' logits."""
+        t = len(ids)
+        b = self.bucket(max(t, size))
+        positions = positions + [0] * (b - t)
+        ids = ids + [0] * (b - t)
+        layout = BatchLayout(tuple(positions), tuple(p + 1 for p in positions))
+        rows = {} if self.draft else self._row_reads(layout)
+        packed = self._tables(tables, b)
         # Compiled graphs take no inference tensors: the persistent buffers are normal ones.
         with torch.inference_mode(False), torch.no_grad():
-            entry = self._entry((b, *rows.values(), tables.shape[-1]), rows)
+            entry = self._entry((b, *rows.values(), packed.shape[-1]), rows)
             static = entry.batch
-            host = host_tensor(ids + starts + [p + 1 for p in starts]).view(3, b)
+            host = host_tensor(ids + positions + [p + 1 for p in positions]).view(3, b)
             for dst, src in zip((static.input_ids, static.positions, static.seq_ends), host, strict=True):
                 dst.copy_(src)
-            for dst, src in zip(static.block_tables.values(), tables, strict=True):
+            for dst, src in zip(static.block_tables.values(), packed, strict=True):
                 dst.copy_(src)
+            if inputs is not None:
+                assert entry.inputs is not None
+                entry.inputs[:t].copy_(inputs)
             if self.use_graphs:
                 self._replay(entry)
             else:
                 entry.logits = self._forward(entry)
         assert entry.logits is not None
         self._last = entry
-        return entry.logits[:r]
+        return entry.logits[:t]
+
+    def _row_reads(self, layout: BatchLayout) -> dict[str, int]:
+        return {name: self._rows(reads) for name, reads in self.model.row_reads(layout).items()}
 
     def run_keeping_streams(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``run``, and the step's pre-head streams [R, hc, D] (a view of the key's buffer: valid until the
+        """``run``, and the step's pre-head streams [T, hc, D] (a view of the key's buffer: valid until the
         key runs again); needs ``keep_streams``."""
         logits = self.run(scheduled)
         assert self._last is not None and self._last.streams is not None, "built without keep_streams"
-        return logits, self._last.streams[: len(scheduled)]
+        return logits, self._last.streams[: logits.shape[0]]
 
     def _rows(self, reads: RowReads) -> int:
         """The padded row count N of a compressed branch."""
@@ -233,9 +292,9 @@ class DecodeGraphRunner:
         least = least_indexed_rows(reads.indexed) if indexed else MIN_ROW_BUCKET
         return row_bucket(reads.visible, most, least)
 
-    def _tables(self, scheduled: list[ScheduledRequest], b: int) -> torch.Tensor:
-        """Every group's [B, width] table (host, [G, B, width]); dummy rows and padding null."""
-        tables = [self.coordinator.block_tables(s.request.request_id) for s in scheduled]
+    def _tables(self, tables: list[dict[str, list[int]]], b: int) -> torch.Tensor:
+        """Every group's [B, width] table (host, [G, B, width]) from each row's tables; dummy rows and
+        padding null."""
         width = table_width(max([1, *(len(t[name]) for t in tables for name in self.group_names)]))
         flat: list[int] = []
         for name in self.group_names:
@@ -269,10 +328,10 @@ class DecodeGraphRunner:
             logits_indices=req,
         )
         row_ids = {name: torch.arange(n, device=dev) for name, n in rows.items()}
-        streams = None
-        if self.keep_streams:
-            streams = torch.zeros(b, *self.model.info.stream_shape, dtype=self.model.dtype, device=dev)
-        return StaticDecode(batch, row_ids, streams=streams)
+        shape = (b, *self.model.info.stream_shape)
+        streams = torch.zeros(shape, dtype=self.model.dtype, device=dev) if self.keep_streams else None
+        inputs = torch.zeros(shape, dtype=self.model.dtype, device=dev) if self.draft else None
+        return StaticDecode(batch, row_ids, streams=streams, inputs=inputs)
 
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
@@ -323,10 +382,16 @@ class DecodeGraphRunner:
         elif self.compiled is not None:
             rows = ", ".join(f"{name} {len(r)}" for name, r in entry.rows.items()) or "no compressed"
             b = entry.batch.input_ids.shape[0]
-            log.info("decode step batch %d (%s rows) compiled: %.1f s", b, rows, seconds)
+            what = "draft" if self.draft else "decode"
+            log.info("%s step batch %d (%s rows) compiled: %.1f s", what, b, rows, seconds)
         return logits
 
     def _logits(self, entry: StaticDecode) -> torch.Tensor:
+        if self.draft:
+            assert entry.inputs is not None and entry.streams is not None
+            streams = self.model.mtp_decode(entry.inputs, entry.batch, self.cache, self.max_model_len)
+            entry.streams.copy_(streams)
+            return self.model.mtp_logits(streams)
         meta = self.model.decode_meta(entry.batch, entry.rows, self.max_model_len)
         streams = self.model(entry.batch, self.cache, meta)
         if entry.streams is not None:

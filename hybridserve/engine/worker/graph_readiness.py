@@ -14,7 +14,7 @@ import time
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
 
-TAIL, DECODE, PREFILL = "mHC tail", "decode step", "prefill graph"
+TAIL, DECODE, DRAFT, PREFILL = "mHC tail", "decode step", "draft step", "prefill graph"
 
 
 class _Every(Container[str]):

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.compile_policy import EAGER, CompilePolicy
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
-from hybridserve.engine.worker.graph_readiness import DECODE, PREFILL, TAIL, GraphReadiness
+from hybridserve.engine.worker.graph_readiness import DECODE, DRAFT, PREFILL, TAIL, GraphReadiness
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
 from hybridserve.layers.hyper_connection import set_compile, warm_compiled_tail
@@ -40,36 +41,45 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         keep_streams: bool = False,
+        tokens_per_request: int = 1,
     ) -> None:
         """``policy.decode_graphs``: run pure-decode steps padded to bucketed static shapes
         (DecodeGraphRunner), replayed as CUDA graphs on CUDA, through torch.compile if
         ``policy.compile_decode``; ``policy.compile_prefill``: the other steps through one dynamically
         shaped graph (PrefillGraphRunner), else the normal path; ``keep_streams``: the decode graphs keep
-        each step's pre-head streams (a speculative engine's MTP layer reads them)."""
+        each step's pre-head streams (a speculative engine's MTP layer reads them);
+        ``tokens_per_request``: the most tokens a request computes in a step the decode graphs run (a
+        speculative engine's 1 + k: its verify steps)."""
         self.model = model
         self.cache = pools.tensors()
         self.coordinator = coordinator
         self.sampler = sampler
         self.device = device
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.draft_graphs: DecodeGraphRunner | None = None  # the MTP layer's steps (compiled, speculative)
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.steps_by_path: Counter[str] = Counter()  # see ``execute``
+        self.drafts_by_path: Counter[str] = Counter()  # the MTP layer's forwards: "graph" or "eager"
         self.policy = policy
         self.graphs = GraphReadiness()
         max_len = max_model_len or model.info.max_position_embeddings
         if policy.compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
+        static = partial(
+            DecodeGraphRunner,
+            model,
+            pools,
+            coordinator,
+            device,
+            max_num_seqs,
+            max_len,
+            tokens_per_request=tokens_per_request,
+        )
         if policy.decode_graphs:
-            self.decode_graphs = DecodeGraphRunner(
-                model,
-                pools,
-                coordinator,
-                device,
-                max_num_seqs,
-                max_len,
-                compiled=policy.compile_decode,
-                keep_streams=keep_streams,
-            )
+            self.decode_graphs = static(compiled=policy.compile_decode, keep_streams=keep_streams)
+        if policy.compile_decode and keep_streams and model.info.num_draft_layers:
+            # the MTP layer's rows of a step: each request's verified tail (up to 1 + k), then one a depth
+            self.draft_graphs = static(compiled=True, draft=True)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (and on CUDA capture) the mHC tail, the decode step and the prefill graph before the
@@ -118,6 +128,8 @@ class ModelRunner:
         prefill, decode = self.prefill_graphs, self.decode_graphs
         if decode is not None:
             parts.append((DECODE, lambda: (decode.warmup(), _decode_how(decode))[1]))
+        if (draft := self.draft_graphs) is not None:
+            parts.append((DRAFT, lambda: (draft.warmup(), _decode_how(draft))[1]))
         if prefill is not None:
             parts.append((PREFILL, lambda: (prefill.warmup(), None)[1]))  # it logs its own time
         return parts
@@ -158,6 +170,21 @@ class ModelRunner:
             return streams.new_zeros(0), kept
         return self.model.compute_logits(streams[batch.logits_indices]), kept
 
+    @torch.inference_mode()
+    def draft(
+        self, streams: torch.Tensor, ids: list[int], positions: list[int], tables: list[dict[str, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MTP layer's rows through the draft graph (``DecodeGraphRunner.run_draft``) -> (draft logits,
+        its streams); None where there is none, it is not compiled yet or the rows do not fit: the caller
+        runs the layer eagerly. Counted in ``drafts_by_path``."""
+        with self.graphs.use() as ready:
+            graphs = self.draft_graphs
+            if graphs is not None and DRAFT in ready and len(ids) <= graphs.buckets[-1]:
+                self.drafts_by_path["graph"] += 1
+                return graphs.run_draft(streams, ids, positions, tables)
+        self.drafts_by_path["eager"] += 1
+        return None
+
     def _decode_graph(
         self, scheduled: list[ScheduledRequest], graphs: DecodeGraphRunner, keep_streams: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,8 +193,8 @@ class ModelRunner:
             logits, streams = graphs.run_keeping_streams(scheduled)
         else:
             logits = graphs.run(scheduled)
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
-        if len(rows) < len(scheduled):
+        rows = sampled_rows(scheduled)
+        if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         return logits, streams
 
@@ -175,3 +202,15 @@ class ModelRunner:
 def _decode_how(graphs: DecodeGraphRunner) -> str:
     how = ["torch.compile"] * (graphs.compiled is not None) + ["CUDA graphs"] * graphs.use_graphs
     return f" ({', '.join(how) or 'eager'})"
+
+
+def sampled_rows(scheduled: list[ScheduledRequest]) -> list[int]:
+    """The rows of a step's tokens whose logits it samples from: each sampling request's last known token
+    and its drafts (``build_forward_batch``'s ``logits_indices``)."""
+    rows: list[int] = []
+    offset = 0
+    for s in scheduled:
+        offset += s.num_tokens
+        if s.samples:
+            rows += range(offset - 1 - s.num_spec, offset)
+    return rows

@@ -30,9 +30,10 @@ pytestmark = pytest.mark.slow_file(seconds=140)  # scheduled first: never the ru
 def test_speculative_engine_builds_graphs_that_keep_streams(
     mtp_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With --compile-decode a speculative engine's decode graphs keep each step's streams (its MTP layer
-    reads them); with --compile-prefill it has the prefill graph for the steps that verify drafts. (What
-    the engines hold, not what they compile: their warm-up is skipped.)"""
+    """With --compile-decode a speculative engine's decode graphs take a request's 1 + k tokens (its verify
+    steps) and keep each step's streams (its MTP layer reads them), and the MTP layer has draft graphs of
+    its own; with --compile-prefill it has the prefill graph for longer chunks. (What the engines hold, not
+    what they compile: their warm-up is skipped.)"""
     monkeypatch.setattr(EngineCore, "warmup", lambda self, progress=None: None)
     llm = LLM(
         str(mtp_checkpoint("mixed")),
@@ -43,9 +44,12 @@ def test_speculative_engine_builds_graphs_that_keep_streams(
     )
     runner = llm.engine.runner
     assert runner.decode_graphs is not None and runner.decode_graphs.keep_streams
+    assert runner.decode_graphs.tokens_per_request == 3
+    assert runner.draft_graphs is not None and runner.draft_graphs.group_names == ["mtp_kv"]
     assert runner.prefill_graphs is not None
     plain = LLM(str(mtp_checkpoint("mixed")), kv_cache_memory=KV, compile_decode=True).engine.runner
     assert plain.decode_graphs is not None and not plain.decode_graphs.keep_streams
+    assert plain.decode_graphs.tokens_per_request == 1 and plain.draft_graphs is None
 
 
 # k = 1 with drafts off past 3 requests (decode graphs and the prefill graph in one run); k = 3 drafting
@@ -58,12 +62,12 @@ def test_compiled_speculative_steps_equal_the_reference(
     k: int,
     drafts_off_at: int | None,
 ) -> None:
-    """--compile-decode --compile-prefill with speculation: steps that verify drafts (and the prompt chunks
-    beside them) run through the prefill graph, steps that verify none (here: while ``drafts_off_at``
-    requests run, vLLM's disable_by_batch_size) through a decode graph that keeps its streams for the MTP
-    layer, which runs eagerly. Both traced by dynamo's "eager" backend (as in test_prefill_graphs); oracle
-    drafts are accepted in runs of every length, rolled-back rows are poisoned, and the greedy tokens are
-    the batch-1 reference's."""
+    """--compile-decode --compile-prefill with speculation: steps that verify drafts or none (here: while
+    ``drafts_off_at`` requests run, vLLM's disable_by_batch_size) run through a decode graph (a row per
+    token) that keeps its streams for the MTP layer, whose rows run through draft graphs; steps with longer
+    prompt chunks through the prefill graph. All traced by dynamo's "eager" backend (as in
+    test_prefill_graphs); oracle drafts are accepted in runs of every length, rolled-back rows are
+    poisoned, and the greedy tokens are the batch-1 reference's."""
     from hybridserve.engine.worker import decode_graphs, prefill_graphs
 
     monkeypatch.setattr(prefill_graphs, "GRAPH_BACKEND", "eager")
@@ -88,11 +92,12 @@ def test_compiled_speculative_steps_equal_the_reference(
         poison_after_steps(llm.engine)
         check_greedy(base, prompts, llm.generate(prompts, GREEDY), expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "compiled mid-run"
-    prefill = llm.engine.runner.prefill_graphs
-    assert prefill is not None and prefill.steps["compiled"] >= 3
+    runner = llm.engine.runner
+    assert runner.prefill_graphs is not None and runner.prefill_graphs.steps["compiled"] >= 1
     snap = llm.engine.snapshot()
-    assert snap.steps_by_path["prefill_graph"] == prefill.steps["compiled"]
-    assert snap.steps_by_path.get("decode_graph", 0) >= (MAX_NEW // 2 if drafts_off_at else 0)
+    assert snap.steps_by_path["prefill_graph"] == runner.prefill_graphs.steps["compiled"]
+    assert snap.steps_by_path.get("decode_graph", 0) >= MAX_NEW // (k + 1)  # verify steps included
+    assert runner.drafts_by_path["graph"] > 0 and "eager" not in runner.drafts_by_path
     assert snap.spec_num_accepted_tokens > 0 and snap.spec_num_draft_tokens > snap.spec_num_accepted_tokens
     llm.engine.pools.check_integrity()
     llm.engine.reset_prefix_cache()

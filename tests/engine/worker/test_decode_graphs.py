@@ -167,6 +167,58 @@ def test_padded_batch_dummies(tiny_checkpoint: Callable[[str], Path]) -> None:
     pools.check_integrity()
 
 
+def _several_tokens_a_row(model: DeepseekV4Model, graphs: bool) -> list[torch.Tensor]:
+    """Three prompts computed 1-3 tokens per request a step (as a speculative engine's verify steps), on
+    the plain path or through a decode runner that takes 3 tokens a request -> every token's logits."""
+    pools, coord = _cache(model, 128)
+    runner = DecodeGraphRunner(model, pools, coord, torch.device("cpu"), 8, MAX_LEN, tokens_per_request=3)
+    g = torch.Generator().manual_seed(1)
+    lengths = (70, 45, 90)
+    reqs = [
+        Request(f"r{i}", torch.randint(3, VOCAB, (n,), generator=g).tolist(), SamplingParams())
+        for i, n in enumerate(lengths)
+    ]
+    logits = []
+    for step_no in range(max(lengths)):
+        left = [(i, r, r.num_tokens - r.num_computed_tokens) for i, r in enumerate(reqs)]
+        step = [
+            ScheduledRequest(r, r.num_computed_tokens, min(n, 1 + (step_no + i) % 3)) for i, r, n in left if n
+        ]
+        if not step:
+            break
+        for s in step:
+            assert coord.allocate(s.request.request_id, s.start, s.end)
+        if graphs:
+            assert runner.supports(step)
+            logits.append(runner.run(step).clone())
+        else:
+            logits.append(
+                model.compute_logits(
+                    model(build_forward_batch(step, coord, torch.device("cpu")), pools.tensors())
+                )
+            )
+        for s in step:
+            s.request.num_computed_tokens = s.end
+    pools.check_integrity()
+    assert _null_rows_zero(pools)
+    return logits
+
+
+@pytest.mark.parametrize("name", ["mixed", "csa_heavy"])
+def test_rows_of_several_tokens_a_request_match_eager(
+    name: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """A row per token, a request's rows at consecutive positions with its table: every token's logits
+    equal the plain path's (to ATOL), so a later row sees the window KV, compressor inputs and compressed
+    rows (CSA's indexer keys included) its request's earlier rows wrote in the same step."""
+    model = load_model(tiny_checkpoint(name), torch.float32, "cpu")
+    plain, rows = _several_tokens_a_row(model, False), _several_tokens_a_row(model, True)
+    assert len(plain) == len(rows) >= 45
+    for a, b in zip(plain, rows, strict=True):
+        assert a.shape == b.shape and float((a - b).abs().max()) <= ATOL
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 @pytest.mark.parametrize("name", ["mixed", "csa_heavy"])
 def test_static_buffers_without_padding_are_bit_identical(
     name: str, tiny_checkpoint: Callable[[str], Path]
