@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,21 @@ ALL_EXPERTS_MAX_ROWS = 256  # T * E: above this many (token, expert) rows a step
 # One layer's routed experts: bigger ones stream E / k times the bytes a step needs (the GEMMs are then
 # memory-bound, not call-bound), and their flat copies would cost real memory.
 ALL_EXPERTS_MAX_BYTES = 8 << 20
+# Whether the graph being traced may take the all-experts form. Dynamo reads it as a guarded constant:
+# the prefill graph, traced and run without it (``without_all_experts``), is one graph, not one per side
+# of the token-count guard (its few-token steps are rare: a verify step or a decode takes a decode graph).
+_all_experts_in_graphs = True
+
+
+@contextmanager
+def without_all_experts() -> Iterator[None]:
+    """Compiled steps traced or run inside never run every routed expert (``Experts.prepare_all_experts``)."""
+    global _all_experts_in_graphs
+    _all_experts_in_graphs = False
+    try:
+        yield
+    finally:
+        _all_experts_in_graphs = True
 
 
 def _grouped_outputs(
@@ -164,10 +181,6 @@ class Experts(nn.Module):
         self.all_experts = (gate_up, down)
         return True
 
-    def all_experts_tokens(self) -> int:
-        """The most tokens for which a compiled CPU step runs every expert (0: never)."""
-        return 0 if self.all_experts is None else ALL_EXPERTS_MAX_ROWS // self.gate_up.shape[0]
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each token sums its experts' outputs one by one in x's dtype, in ascending expert id order
         (ties by slot): a fixed order, independent of the other tokens. A compiled CPU step of few tokens
@@ -183,6 +196,8 @@ class Experts(nn.Module):
         """In a graph traced with the token count dynamic this is a guard (T <= rows / E): the runner warms
         up a batch on each side (``DecodeGraphRunner.warmup``)."""
         if self.all_experts is None or not torch.compiler.is_compiling() or x.device.type != "cpu":
+            return False
+        if not _all_experts_in_graphs:
             return False
         return x.shape[0] * self.gate_up.shape[0] <= ALL_EXPERTS_MAX_ROWS
 

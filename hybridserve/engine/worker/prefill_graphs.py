@@ -17,9 +17,10 @@ graph's guards refuse (a dim of size 1, an attention chunking the graph did not 
 the same metadata rather than stopping to compile. Every step's metadata reads its one-token requests
 apart from the others' chunks (DeepSeek-V4's ``AttentionMeta.split``; a step without two decodes gets
 filler entries), so steps with and without decodes share the graph. One-token steps take the plain
-eager path. Where a compiled step of few tokens runs every routed expert (``prepare_all_experts``, with
---compile-decode), that guard splits the graph in two, and the warm-up also runs steps of few tokens to
-compile the other side. ``steps`` counts the compiled and the eager runs of the graph's steps.
+eager path. The graph never runs every routed expert for few tokens (``moe.without_all_experts``, as the
+decode graphs may): that guard would split it in two, and few-token steps rarely reach it (decodes and
+verify steps take the decode graphs). ``steps`` counts the compiled and the eager runs of the graph's
+steps.
 
 The logits, the prompt logprobs and the sampler stay outside the graph (they need few rows).
 """
@@ -48,7 +49,7 @@ from hybridserve.engine.worker.decode_graphs import (
 )
 from hybridserve.engine.worker.graph_calls import RecordingBackend, tracing
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
-from hybridserve.layers.moe import Experts
+from hybridserve.layers.moe import without_all_experts
 from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,6 @@ WARMUP_STEPS = (
     ((83, 22, 57), (11, 64, 3)),
 )
 MAX_WARMUP_STEPS = 5
-# Dummy steps of few tokens (at most 8: every model where a compiled step runs all routed experts takes
-# that many, ``Experts.all_experts_tokens``): that guard's other side gets its own graph.
-FEW_TOKEN_WARMUP_STEPS = (
-    ((3, 2), (0, 5)),
-    ((2, 4), (7, 0)),
-    ((2, 3, 2), (1, 9, 4)),
-)
 
 
 class PrefillGraphRunner:
@@ -130,14 +124,10 @@ class PrefillGraphRunner:
         return batch, streams, "prefill_graph" if compiled else "prefill_graph_refused"
 
     def warmup(self) -> float:
-        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged). Where a
-        compiled step of few tokens runs every routed expert (``prepare_all_experts``), that guard splits
-        the graph in two, and dummy steps of few tokens compile the second one."""
+        """Compile the graph on dummy steps until one runs without compiling -> seconds (logged)."""
         start = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():
             self._warm(WARMUP_STEPS)
-            if self.enabled and self._all_experts_tokens():
-                self._warm(FEW_TOKEN_WARMUP_STEPS)
         self.warmed = True
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
@@ -170,10 +160,6 @@ class PrefillGraphRunner:
             torch._foreach_zero_(self.null_rows)
         return self.enabled
 
-    def _all_experts_tokens(self) -> int:
-        """The most tokens for which a compiled step runs every routed expert (0: never)."""
-        return max([0, *(m.all_experts_tokens() for m in self.model.modules() if isinstance(m, Experts))])
-
     def _forward(self, batch: ForwardBatch, cache: dict, meta: Any) -> torch.Tensor:
         return self.model(batch, cache, meta)
 
@@ -189,7 +175,7 @@ class PrefillGraphRunner:
 
     def _call(self, batch: ForwardBatch, meta: Any) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""
-        with self.recorder.recording() as calls:
+        with self.recorder.recording() as calls, without_all_experts():
             streams = self.compiled(batch, self.graph_cache, meta)
         return streams, bool(calls)
 
