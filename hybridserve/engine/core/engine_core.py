@@ -23,7 +23,7 @@ from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.rejection_sampler import Verified
 from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.sample.structured_outputs import StructuredOutputs
-from hybridserve.engine.spec_decode.control import DraftController
+from hybridserve.engine.spec_decode.control import DraftController, StepCost
 from hybridserve.engine.spec_decode.decoder import SpecDecoder
 from hybridserve.engine.stats import ArenaUsage, EngineSnapshot, EngineStats, PoolUsage
 from hybridserve.engine.worker.cache_plan import plan_cache
@@ -314,13 +314,14 @@ class EngineCore:
         nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""
         start = time.perf_counter()
         choice = spec.control.choose(len(self.scheduler.running))
-        drafting = choice > 0 or any(s.num_spec for s in out.scheduled)
         if self.draft_collectives is not None:
             self.draft_collectives.begin()
         outputs = self._verify_and_draft(out, spec, choice)
         if self.draft_collectives is not None:
             self.draft_collectives.complete()
-        spec.control.record_step(time.perf_counter() - start, out.num_tokens, drafting=drafting)
+        seconds = time.perf_counter() - start
+        parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, len(out.scheduled), choice)
+        spec.control.record_step(StepCost(seconds, *parts))
         return outputs
 
     def _verify_and_draft(

@@ -2,24 +2,55 @@
 
 Drafting pays when the accepted tokens are worth more than the extra work of verifying and drafting;
 under load (many running requests, a compute-bound step) it can cost more than it gains, and where the
-balance lies depends on the device, the model and the text. So it is measured, not assumed. Every step
-teaches the controller two things: how long a step of T tokens takes (kept per power of two of T,
-separately for plain steps and for steps that verify and draft) and, when it drafted, how often the
-draft at each position is accepted. For n running requests, drafting c tokens each makes a step of
-about n (1 + c) tokens that yields n E(c) tokens, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at
-position i); the controller picks the c in 0..k with the most tokens per second. A step size it has
-never timed is tried once; now and then (soon after the start, then every RETRY_EVERY steps) the
-runner-up is tried again, so estimates follow the load.
+balance lies depends on the device, the model, the graphs and the text. So it is measured, not assumed.
+A step's time has three parts, each learned from the steps that ran it (``StepCost``):
+
+* the trunk forward over T tokens (verification included), per quarter octave of T;
+* the MTP layer's work for c drafts per request, per (c, octave of the running requests n);
+* the rest (sampling, scheduling, commit), per octave of n.
+
+With n requests drafting c tokens each, a step verifies n (1 + c) tokens and yields n E(c) of them,
+E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i); the controller picks the c in 0..k
+with the most tokens per second. Parts never measured are scaled from the nearest measured ones; each
+kind of step (drafting k, drafting none) is tried once first, and now and then (soon after the start,
+then every RETRY_EVERY steps) the runner-up is tried again, so estimates follow the load. Keeping the
+parts apart matters: a step that drafts none may still verify the drafts of the step before, so a
+whole-step time filed under its own choice would make not drafting look dear.
 vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that many requests run.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 EMA = 0.3  # weight of a new measurement
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft was verified
 RETRY_EVERY = 32  # steps between tries of the runner-up
+K = TypeVar("K")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One speculative step, timed: its trunk forward over ``tokens`` tokens, the MTP work of ``drafts``
+    drafts per request for ``requests`` requests, and the whole step."""
+
+    seconds: float
+    trunk_seconds: float
+    draft_seconds: float
+    tokens: int
+    requests: int
+    drafts: int
+
+
+def _token_bucket(tokens: int) -> int:
+    """Quarter octaves: 16, 32 and 48 tokens (16 requests drafting 0, 1, 2) fall in different buckets."""
+    return round(4 * math.log2(max(tokens, 1)))
+
+
+def _request_bucket(requests: int) -> int:
+    return max(requests, 1).bit_length()
 
 
 @dataclass
@@ -27,7 +58,9 @@ class DraftController:
     k: int
     adaptive: bool = True
     disable_by_batch_size: int | None = None
-    step_seconds: dict[tuple[bool, int], float] = field(default_factory=dict)  # (drafting, log2 T) -> s
+    trunk_seconds: dict[int, float] = field(default_factory=dict)  # token bucket -> s
+    draft_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (c, request bucket) -> s
+    other_seconds: dict[int, float] = field(default_factory=dict)  # request bucket -> s
     acceptance: list[float] = field(default_factory=list)
     _steps: int = 0
 
@@ -42,26 +75,46 @@ class DraftController:
             return self.k
         self._steps += 1
         n = num_running
-        for drafting, c in ((True, self.k), (False, 0)):  # each kind of step is timed once first
-            if not any(key[0] is drafting for key in self.step_seconds):
+        for c in (self.k, 0):  # each kind of step is timed once first
+            if not any(key[0] == c for key in self.draft_seconds):
                 return c
-        rate = {c: n * self.expected_tokens(c) / self._seconds(c > 0, n * (1 + c)) for c in range(self.k + 1)}
+        if not self.trunk_seconds or not self.other_seconds:
+            return 0
+        rate = {c: n * self.expected_tokens(c) / self.estimate(c, n) for c in range(self.k + 1)}
         ranked = sorted(rate, key=lambda c: -rate[c])
         return ranked[1] if self._retry_due() and len(ranked) > 1 else ranked[0]
+
+    def estimate(self, c: int, n: int) -> float:
+        """The expected seconds of a step of n requests drafting c each, in steady state."""
+        return self._trunk(n * (1 + c)) + self._draft(c, n) + _nearest(self.other_seconds, _request_bucket(n))
 
     def _retry_due(self) -> bool:
         """Steps 4, 8 and 16, then every RETRY_EVERY: a first timing taken during a load spike is
         corrected within a short request, not only after RETRY_EVERY steps."""
         return self._steps in (4, 8, 16) or self._steps % RETRY_EVERY == 0
 
-    def _seconds(self, drafting: bool, num_tokens: int) -> float:
-        """The expected time of a step of ``num_tokens``: measured at that size, or scaled from the nearest
-        measured size by the square root of the ratio (between a flat, launch-bound step and a linear,
-        compute-bound one; a size that is then chosen gets measured)."""
-        b = num_tokens.bit_length()
-        timed = [key[1] for key in self.step_seconds if key[0] is drafting]
-        near = min(timed, key=lambda t: (abs(t - b), t))
-        return self.step_seconds[(drafting, near)] * 2 ** ((b - near) / 2)
+    def _trunk(self, tokens: int) -> float:
+        """Measured at that size, or scaled from the nearest measured size by the square root of the ratio
+        (between a flat, launch-bound step and a linear, compute-bound one; a size that is then chosen
+        gets measured)."""
+        b = _token_bucket(tokens)
+        near = min(self.trunk_seconds, key=lambda t: (abs(t - b), t))
+        return self.trunk_seconds[near] * 2 ** ((b - near) / 8)
+
+    def _draft(self, c: int, n: int) -> float:
+        """The MTP work of c drafts per request: measured for (c, n), else scaled from the nearest measured
+        c at n's size by the number of MTP layer runs (c; drafting none writes its window rows only)."""
+        b = _request_bucket(n)
+        if (c, b) in self.draft_seconds:
+            return self.draft_seconds[(c, b)]
+        same_c = {rb: s for (dc, rb), s in self.draft_seconds.items() if dc == c}
+        if same_c:
+            return _nearest(same_c, b) * 2 ** (b - min(same_c, key=lambda r: abs(r - b)))
+        drafting = {dc: s for (dc, rb), s in self.draft_seconds.items() if dc > 0 and rb == b}
+        if c == 0 or not drafting:
+            return 0.0 if c == 0 else max(self.draft_seconds.values())
+        near = min(drafting, key=lambda d: abs(d - c))
+        return drafting[near] * c / near
 
     def expected_tokens(self, c: int) -> float:
         """Tokens one request gains from a step verifying ``c`` drafts."""
@@ -71,16 +124,26 @@ class DraftController:
             total += reach
         return total
 
-    def record_step(self, seconds: float, num_tokens: int, drafting: bool) -> None:
-        """A step's wall time and the tokens it computed (verified drafts included)."""
-        if num_tokens <= 0 or seconds <= 0:
+    def record_step(self, cost: StepCost) -> None:
+        """A step's timed parts (see the module docstring)."""
+        if cost.seconds <= 0 or cost.tokens <= 0:
             return
-        key = (drafting, num_tokens.bit_length())
-        old = self.step_seconds.get(key)
-        self.step_seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        b = _request_bucket(cost.requests)
+        _update(self.trunk_seconds, _token_bucket(cost.tokens), cost.trunk_seconds)
+        _update(self.draft_seconds, (cost.drafts, b), cost.draft_seconds)
+        _update(self.other_seconds, b, max(cost.seconds - cost.trunk_seconds - cost.draft_seconds, 0.0))
 
     def record_verified(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: drafts 0..num_accepted-1 accepted, the next one (if any) not."""
         for i in range(min(num_accepted + 1, num_drafts)):
             hit = 1.0 if i < num_accepted else 0.0
             self.acceptance[i] = (1 - EMA / 4) * self.acceptance[i] + EMA / 4 * hit
+
+
+def _update(table: dict[K, float], key: K, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+
+def _nearest(table: dict[int, float], key: int) -> float:
+    return table[min(table, key=lambda k: (abs(k - key), k))]

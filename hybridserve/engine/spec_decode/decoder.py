@@ -17,6 +17,7 @@ write speculative MTP rows past the verified end, which the next step rewrites. 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,19 +78,22 @@ class SpecDecoder:
         self.rejection = RejectionSampler(runner.sampler)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
         self._streams: torch.Tensor | None = None  # the trunk's streams of the current step
+        self.trunk_seconds = 0.0  # the last step's trunk forward and verification (``execute``)
+        self.draft_seconds = 0.0  # the last step's MTP work (``propose``)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[Verified]:
         """Trunk forward over every scheduled token (``ModelRunner.forward``: a decode step or one that
         verifies up to k drafts per request may take a decode graph, others the prefill graph); one
         Verified per scheduled request that samples."""
+        start, self.trunk_seconds, self.draft_seconds = time.perf_counter(), 0.0, 0.0
         logits, self._streams = self.runner.forward(out.scheduled, keep_streams=True)
         sampling = [s for s in out.scheduled if s.samples]
-        if not sampling:
-            return []
-        verified = self.rejection.verify(
-            logits, [s.request for s in sampling], [s.num_spec for s in sampling]
-        )
+        verified: list[Verified] = []
+        if sampling:
+            requests = [s.request for s in sampling]
+            verified = self.rejection.verify(logits, requests, [s.num_spec for s in sampling])
+        self.trunk_seconds = time.perf_counter() - start
         for v in verified:
             self.stats.observe(v)
             if v.num_drafts:
@@ -103,10 +107,15 @@ class SpecDecoder:
         under_load = max(0, budget // max(num_running, 1) - 1)
         return max(0, min(self.k, room, under_load))
 
-    @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], drafts: list[int]) -> None:
         """The MTP layer's window KV at every position the step verified (``num_computed_tokens`` already
-        committed), then up to ``drafts[i]`` new drafts for request i (0: only its window KV)."""
+        committed), then up to ``drafts[i]`` new drafts for request i (0: only its window KV); timed."""
+        start = time.perf_counter()
+        self._propose(scheduled, drafts)
+        self.draft_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _propose(self, scheduled: list[ScheduledRequest], drafts: list[int]) -> None:
         assert self._streams is not None
         streams, self._streams = self._streams, None
         requests = [s.request for s in scheduled]

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.spec_decode.control import DraftController
+from hybridserve.engine.spec_decode.control import DraftController, StepCost
+
+MS = 1e-3
 
 
-def _teach(control: DraftController, seconds: dict[tuple[bool, int], float], acceptance: float) -> None:
-    """Feed step times (per drafting kind and token count) and verifications at ``acceptance``."""
+def _step(
+    n: int, verified: int, drafts: int, trunk_ms: float, draft_ms: float, other_ms: float = 1.0
+) -> StepCost:
+    """A step of n requests that verifies ``verified`` drafts each and drafts ``drafts`` each."""
+    total = (trunk_ms + draft_ms + other_ms) * MS
+    return StepCost(total, trunk_ms * MS, draft_ms * MS, n * (1 + verified), n, drafts)
+
+
+def _teach(control: DraftController, steps: list[StepCost], acceptance: float) -> None:
+    """Feed the steps and verifications at ``acceptance``, many times over."""
     for _ in range(40):
-        for (drafting, tokens), s in seconds.items():
-            control.record_step(s, tokens, drafting)
+        for step in steps:
+            control.record_step(step)
         hits = round(acceptance * 10)
         for i in range(10):
             control.record_verified(1, 1 if i < hits else 0)
@@ -18,23 +28,34 @@ def _teach(control: DraftController, seconds: dict[tuple[bool, int], float], acc
 def test_times_each_kind_of_step_first() -> None:
     control = DraftController(3)
     assert control.choose(4) == 3
-    control.record_step(0.01, 16, drafting=True)
+    control.record_step(_step(4, 0, 3, 10, 3))
     assert control.choose(4) == 0
-    control.record_step(0.01, 4, drafting=False)
+    control.record_step(_step(4, 3, 0, 12, 0.2))
     assert control.choose(4) in range(4)
 
 
 def test_drafts_where_steps_cost_little_more_and_stops_where_they_cost_much_more() -> None:
-    flat = DraftController(2)  # launch-bound (a GPU at small batch): more tokens cost almost nothing
-    _teach(
-        flat,
-        {(False, 1): 0.010, (True, 2): 0.011, (True, 3): 0.012, (False, 16): 0.012, (True, 32): 0.013},
-        0.8,
-    )
+    # launch-bound (a GPU at small batch): more tokens cost almost nothing
+    flat = DraftController(2)
+    _teach(flat, [_step(1, 0, 0, 10, 0.1), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
     assert flat.choose(1) == 2
-    linear = DraftController(2)  # compute-bound: a step costs in proportion to its tokens, MTP on top
-    _teach(linear, {(False, 16): 0.016, (True, 32): 0.040, (True, 48): 0.060}, 0.6)
+    # compute-bound: a step costs in proportion to its tokens, MTP on top
+    linear = DraftController(2)
+    _teach(linear, [_step(16, 0, 0, 16, 0.5), _step(16, 2, 2, 48, 12)], 0.6)
     assert linear.choose(16) == 0
+
+
+def test_a_step_that_drafts_none_is_not_blamed_for_verifying_the_drafts_before_it() -> None:
+    """Alternating choices: a step that drafts none verifies the last step's drafts (a dear trunk forward)
+    and one that drafts verifies none (a cheap one). Filed by the whole step under its own choice, not
+    drafting would look dearer than drafting; with the parts kept apart the controller sees that drafting
+    costs 48 ms of trunk a step where not drafting costs 16, and stops."""
+    control = DraftController(2)
+    after_drafting = _step(16, 2, 0, 48, 0.5)  # drafts none, verifies 2 each
+    after_plain = _step(16, 0, 2, 16, 12)  # drafts 2, verifies none
+    _teach(control, [after_drafting, after_plain], 0.7)
+    assert control.estimate(0, 16) < control.estimate(2, 16) / 2
+    assert control.choose(16) == 0
 
 
 def test_disable_by_batch_size_and_fixed_k() -> None:
@@ -45,6 +66,6 @@ def test_disable_by_batch_size_and_fixed_k() -> None:
 
 def test_tries_the_runner_up_soon_after_the_start_then_every_32_steps() -> None:
     control = DraftController(2)
-    _teach(control, {(False, 1): 0.010, (True, 2): 0.011, (True, 3): 0.012}, 0.8)
+    _teach(control, [_step(1, 0, 0, 10, 0.1), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
     picks = [control.choose(1) for _ in range(64)]
     assert [step for step, c in enumerate(picks, start=1) if c != 2] == [4, 8, 16, 32, 64]
