@@ -9,12 +9,12 @@ A step's time has three parts, each learned from the steps that ran it (``StepCo
 * the MTP layer's work for c drafts per request, per (c, octave of the running requests n);
 * the rest (sampling, scheduling, commit), per octave of n.
 
-With n requests drafting c tokens each, a step verifies n (1 + c) tokens and yields n E(c) of them,
-E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i); the controller picks the c in 0..k
-with the most tokens per second. Parts never measured are scaled from the nearest measured ones; each
-kind of step (drafting k, drafting none) is tried once first, and now and then (soon after the start,
-then every RETRY_EVERY steps) the runner-up is tried again, so estimates follow the load. Keeping the
-parts apart matters: a step that drafts none may still verify the drafts of the step before, so a
+With n requests drafting c tokens each, a step verifies n (1 + c) tokens and yields n E(c) of them, E(c) =
+1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i); the controller picks the c in 0..k with the
+most tokens per second. Parts never measured are scaled from the nearest measured ones; at each octave of
+n, each kind of step (drafting k, drafting none) is tried once first, and now and then (soon after the
+start, then every RETRY_EVERY steps) the runner-up is tried again, so estimates follow the load. Keeping
+the parts apart matters: a step that drafts none may still verify the drafts of the step before, so a
 whole-step time filed under its own choice would make not drafting look dear.
 vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that many requests run.
 """
@@ -74,12 +74,10 @@ class DraftController:
         if not self.adaptive or num_running == 0:
             return self.k
         self._steps += 1
-        n = num_running
-        for c in (self.k, 0):  # each kind of step is timed once first
-            if not any(key[0] == c for key in self.draft_seconds):
+        n, b = num_running, _request_bucket(num_running)
+        for c in (self.k, 0):  # at every size of load, each kind of step is timed once first
+            if (c, b) not in self.draft_seconds:
                 return c
-        if not self.trunk_seconds or not self.other_seconds:
-            return 0
         rate = {c: n * self.expected_tokens(c) / self.estimate(c, n) for c in range(self.k + 1)}
         ranked = sorted(rate, key=lambda c: -rate[c])
         return ranked[1] if self._retry_due() and len(ranked) > 1 else ranked[0]
@@ -102,17 +100,12 @@ class DraftController:
         return self.trunk_seconds[near] * 2 ** ((b - near) / 8)
 
     def _draft(self, c: int, n: int) -> float:
-        """The MTP work of c drafts per request: measured for (c, n), else scaled from the nearest measured
-        c at n's size by the number of MTP layer runs (c; drafting none writes its window rows only)."""
+        """The MTP work of c drafts per request: measured for (c, n's size), else scaled from the nearest
+        measured c at n's size by the number of MTP layer runs (``choose`` times k and 0 there first)."""
         b = _request_bucket(n)
         if (c, b) in self.draft_seconds:
             return self.draft_seconds[(c, b)]
-        same_c = {rb: s for (dc, rb), s in self.draft_seconds.items() if dc == c}
-        if same_c:
-            return _nearest(same_c, b) * 2 ** (b - min(same_c, key=lambda r: abs(r - b)))
         drafting = {dc: s for (dc, rb), s in self.draft_seconds.items() if dc > 0 and rb == b}
-        if c == 0 or not drafting:
-            return 0.0 if c == 0 else max(self.draft_seconds.values())
         near = min(drafting, key=lambda d: abs(d - c))
         return drafting[near] * c / near
 
