@@ -1,16 +1,17 @@
 """MTP speculative decoding vs plain decoding, offline engine, the bundled model (or --checkpoint).
 
-For each concurrency c, sampling mode (greedy, temperature 0.8) and k (0 = speculation off, then
-1..3), c prompts (word windows of the held-out text) run together through one EngineCore until each has
-``--output-len`` tokens (EOS ignored). Reported per run: output tok/s (all tokens / wall time), mean
-TPOT (per request: (last token time - first token time) / (tokens - 1)), draft acceptance rate
-(accepted / draft tokens) and mean acceptance length (1 + accepted / drafts), and each run's ratio to
-the first configuration (k = 0) of the same (c, mode), measured in the same process. k runs draft k
-tokens every step ("adaptive": false); "3a" is the default adaptive drafting with k = 3, which measures
-and may turn drafting down. Each configuration runs ``--repeats`` times, interleaved with the others;
-the fastest run is kept. Also reported: output tokens per CPU second of the process (``time.process_time``;
-with 1 thread this is what the run would reach on an idle core, where wall time on a shared machine
-also counts the time other processes held the core).
+For each concurrency c, sampling mode (greedy, temperature 0.8) and k (0 = speculation off, then 1..3), c
+prompts (word windows of the held-out text) run together through one EngineCore until each has ``--output-
+len`` tokens (EOS ignored). Reported per run: output tok/s (all tokens / wall time), mean TPOT (per
+request: (last token time - first token time) / (tokens - 1)), draft acceptance rate (accepted / draft
+tokens) and mean acceptance length (1 + accepted / drafts), and each run's ratio to the first
+configuration (k = 0) of the same (c, mode), measured in the same process. k runs draft k tokens every
+step ("adaptive": false); "3a" is the default adaptive drafting with k = 3, which measures and may turn
+drafting down; "2n" a speculative engine that never drafts (``disable_by_batch_size`` 1: what being
+speculative costs a step that drafts nothing). Each configuration runs ``--repeats`` times, interleaved
+with the others; the fastest run is kept. Also reported: output tokens per CPU second of the process
+(``time.process_time``; with 1 thread this is what the run would reach on an idle core, where wall time on
+a shared machine also counts the time other processes held the core).
 
     python benchmarks/spec_decode.py --threads 1 --output-len 64 --concurrency 1 --repeats 3 \
         --json benchmarks/results/spec_decode_c1.json
@@ -44,9 +45,13 @@ def _prompts(model: str, n: int, words: int = 24) -> list[list[int]]:
     return [tok.encode(" ".join(text[i * 97 : i * 97 + words])) for i in range(n)]
 
 
-def engine(model: str, c: int, k: int, adaptive: bool, eager: bool) -> EngineCore:
-    """One configuration's engine, its graphs compiled before any clock starts."""
-    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive} if k else None
+def engine(model: str, c: int, kind: str, eager: bool) -> EngineCore:
+    """One configuration's engine (``kind``: see ``--ks``), its graphs compiled before any clock starts."""
+    k = int(kind.rstrip("an"))
+    spec: dict[str, Any] | None = None
+    if k:
+        spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": kind.endswith("a")}
+        spec |= {"disable_by_batch_size": 1} if kind.endswith("n") else {}
     config = EngineConfig(model=model, max_num_seqs=max(c, 1), speculative_config=spec, enforce_eager=eager)
     core = EngineCore(config)
     core.warmup()
@@ -103,7 +108,11 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=default_model_path())
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--temperatures", default="0,0.8")
-    ap.add_argument("--ks", default="0,1,2,3,3a", help="k per run; 0: off; a suffix 'a': adaptive drafting")
+    ap.add_argument(
+        "--ks",
+        default="0,1,2,3,3a",
+        help="k per run; 0: off; a suffix 'a': adaptive drafting, 'n': a speculative engine never drafting",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is kept")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
@@ -118,15 +127,12 @@ def main() -> None:
     )
     specs = args.ks.split(",")
     for c in (int(x) for x in args.concurrency.split(",")):
-        cores = {
-            s: engine(args.checkpoint, c, int(s.rstrip("a")), s.endswith("a"), args.enforce_eager)
-            for s in specs
-        }
+        cores = {s: engine(args.checkpoint, c, s, args.enforce_eager) for s in specs}
         for temperature in (float(x) for x in args.temperatures.split(",")):
             best: dict[str, dict[str, Any]] = {}
             for _ in range(args.repeats):  # interleaved, so that load changes hit every configuration
                 for spec in specs:
-                    k = int(spec.rstrip("a"))
+                    k = int(spec.rstrip("an"))
                     r = run(cores[spec], args.checkpoint, c, temperature, k, args.output_len)
                     if spec not in best or r["output_tok_s"] > best[spec]["output_tok_s"]:
                         best[spec] = r
