@@ -102,6 +102,16 @@ class Schedule:
         return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * cosine)
 
 
+def add_schedule_args(p: argparse.ArgumentParser, steps: int, lr: float, warmup: int) -> None:
+    """The optimiser's and the schedule's flags (``Schedule``, ``make_optimizer``)."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget for the loop (0 = none)")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -114,12 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--moe-intermediate-size", type=int, help="override the preset's expert width")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=6)
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget for the loop (0 = none)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_schedule_args(p, steps=4000, lr=3e-3, warmup=150)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--bias-update-speed", type=float, default=1e-3, help="aux-loss-free router balancing")

@@ -29,6 +29,8 @@ DSML_CALL = (
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>"
 )
+# DSML_CALL and its EOS are 69 tokens of the bundled tokenizer (175 before it had DeepSeek-V4's tokens)
+MAX_CALL_TOKENS = 70
 
 
 def literal(text: str) -> str:

@@ -13,8 +13,10 @@ import httpx
 import openai
 import pytest
 
+from hybridserve.train.chat_eval import SYSTEM
+from hybridserve.train.chat_tools import TOOLS
 from tests.server.conftest import API_KEY, Server, stop_server
-from tests.server.deepseek_v4_server import DSML_CALL, literal, start_v4_server
+from tests.server.deepseek_v4_server import DSML_CALL, MAX_CALL_TOKENS, literal, start_v4_server
 
 VECTORS = Path(__file__).resolve().parents[1] / "chat_format" / "data" / "deepseek_v4_encoder_vectors.json"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -255,7 +257,7 @@ def test_a_langchain_tool_loop_runs_end_to_end(server: Server) -> None:
         model="austen",
         base_url=f"{server.url}/v1",
         api_key=API_KEY,  # type: ignore[arg-type]
-        max_tokens=400,  # the bundled tokenizer spells DSML's markers out
+        max_tokens=400,
         max_retries=0,
         timeout=120,
         temperature=0,
@@ -291,3 +293,48 @@ def _openai_messages(messages: list[Any]) -> list[dict[str, Any]]:
             ]
             out.append({"role": "assistant", "content": m.content, "tool_calls": calls})
     return out
+
+
+def _bundled_tool(name: str) -> dict[str, Any]:
+    return next(t.definition() for t in TOOLS if t.name == name)
+
+
+@pytest.mark.parametrize(
+    ("request_text", "tools"),
+    [("What is the weather in Bath?", ["get_weather"]), ("Add 12 and 30.", ["find_book", "add_numbers"])],
+)
+def test_the_bundled_model_calls_a_given_tool_by_itself(
+    server: Server, request_text: str, tools: list[str]
+) -> None:
+    """No tool_choice and no grammar of the client's: the fine-tuned model starts a DSML call itself (with
+    ``auto`` the server then holds it to the tool's schema), in tens of tokens."""
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": request_text}],
+        "tools": [_bundled_tool(n) for n in tools],
+        "chat_template_kwargs": {"thinking": False},
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    r = _post(server, "/v1/chat/completions", body).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]["function"]
+    tool = next(t for t in TOOLS if t.name == call["name"])
+    assert tool.name in tools
+    arguments = json.loads(call["arguments"])
+    assert set(tool.required) <= set(arguments) <= set(tool.properties)
+    assert r["usage"]["completion_tokens"] <= MAX_CALL_TOKENS, call
+
+
+def test_the_bundled_model_closes_its_thinking(server: Server) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about Emma."}],
+        "chat_template_kwargs": {"thinking": True},
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    choice = _post(server, "/v1/chat/completions", body).json()["choices"][0]
+    message = choice["message"]
+    assert choice["finish_reason"] == "stop"
+    assert message["reasoning_content"] and message["content"]
+    assert "think>" not in message["reasoning_content"] + message["content"]
