@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=99)
     ap.add_argument("--show", type=int, default=0, help="print the first N replies per mode")
     args = ap.parse_args(argv)
-    llm = LLM(str(args.checkpoint), tokenizer_mode="deepseek_v4", max_num_seqs=1)
+    # Eager: a few dozen short replies, where compiling the steps would take longer than running them.
+    llm = LLM(str(args.checkpoint), tokenizer_mode="deepseek_v4", max_num_seqs=1, enforce_eager=True)
     for thinking in (False, True):
         print(json.dumps(asdict(score_calls(llm, args.n, args.seed, thinking, args.show))), flush=True)
 

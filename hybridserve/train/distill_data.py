@@ -54,7 +54,7 @@ def continuations(
     from hybridserve.engine.llm import LLM
     from hybridserve.engine.request import SamplingParams
 
-    llm = LLM(model, max_num_seqs=64, dtype="float32")
+    llm = LLM(model, max_num_seqs=64, dtype="float32", enforce_eager=True)  # one run: compiling costs more
     params = [
         SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=seed + i)
         for i in range(len(prompts))
