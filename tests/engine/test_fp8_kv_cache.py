@@ -53,21 +53,22 @@ def test_fp8_cache_is_exact_under_chunking_batching_and_prefix_caching(
 
 
 def test_fp8_cache_logits_stay_close_to_the_full_precision_cache() -> None:
-    """On the bundled (trained) model, per position of a 60-token text, measured at this test's writing:
-    median error 0.4% of the row's largest logit, largest 6.2%, and 59 of 60 argmaxes agree (e4m3 moves
+    """On the bundled (trained) model, per position of a 60-token text, measured on the shipped checkpoint:
+    median error 0.66% of the row's largest logit, largest 11.8%, and all 60 argmaxes agree (e4m3 moves
     each key by up to 2^-4 of its value, and the model was not trained with an FP8 cache, unlike
-    DeepSeek-V4). After the chat fine-tune (model card): median 0.4%, but a few positions near the end
-    move more, the largest 34%. The median bound leaves ~2x room for other CPUs'
-    kernels, not for a wrong scale or a lost rope dimension, which move every row. Random tiny models are
-    too chaotic for a bound; whole-generation
-    greedy agreement is in benchmarks/README.md."""
+    DeepSeek-V4). The largest error is layer 0's window keys (rounding only them in a full-precision
+    cache: 11.7%): no outliers there, but a few positions amplify it; a checkpoint less well trained on
+    prose reached 34% at the UTF-8 bytes of the text's — and « (model card). The bounds leave 1.5x and 1.3x
+    room for other CPUs' kernels, not for a wrong scale or a lost rope dimension, which move every row.
+    Random tiny models are too chaotic for a bound; whole-generation greedy agreement is in
+    benchmarks/README.md."""
     folder = Path(default_model_path())
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(SAMPLE_TEXT).ids[:60]
     chunks = [len(ids) - 5, 1, 1, 1, 1, 1]
     full = PagedSequence(folder, torch.float32, 16).logits(ids, chunks)
     fp8 = PagedSequence(folder, torch.float32, 16, kv_cache_dtype="fp8").logits(ids, chunks)
     err = (fp8 - full).abs().amax(dim=-1) / full.abs().amax(dim=-1)
-    assert 0 < err.median() < 0.01 and err.max() < 0.6, err
+    assert 0 < err.median() < 0.01 and err.max() < 0.15, err
     assert (fp8.argmax(dim=-1) != full.argmax(dim=-1)).sum() <= 3
 
 

@@ -16,10 +16,14 @@ import pytest
 from hybridserve.train.chat_eval import SYSTEM
 from hybridserve.train.chat_tools import TOOLS
 from tests.server.conftest import API_KEY, Server, stop_server
-from tests.server.deepseek_v4_server import DSML_CALL, MAX_CALL_TOKENS, literal, start_v4_server
+from tests.server.deepseek_v4_server import DSML_CALL, literal, start_v4_server
 
 VECTORS = Path(__file__).resolve().parents[1] / "chat_format" / "data" / "deepseek_v4_encoder_vectors.json"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# A call the model writes itself: DSML_CALL (69 tokens with its EOS) has two short values, and each digit of a
+# number is a token; the model's numbers are often longer than the request's (model card), e.g. 539 and 239
+# for "Add 12 and 30." make 73 tokens. A call that spelled DSML's markers out would take 175.
+MODEL_CALL_TOKENS = 80
 WEATHER = {
     "type": "function",
     "function": {
@@ -323,7 +327,7 @@ def test_the_bundled_model_calls_a_given_tool_by_itself(
     assert tool.name in tools
     arguments = json.loads(call["arguments"])
     assert set(tool.required) <= set(arguments) <= set(tool.properties)
-    assert r["usage"]["completion_tokens"] <= MAX_CALL_TOKENS, call
+    assert r["usage"]["completion_tokens"] <= MODEL_CALL_TOKENS, call
 
 
 def test_the_bundled_model_closes_its_thinking(server: Server) -> None:

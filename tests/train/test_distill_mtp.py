@@ -24,8 +24,9 @@ from tests.tiny_models import VOCAB
 
 ASSET = Path(__file__).resolve().parents[2] / "hybridserve" / "assets" / "austen-v4"
 # sha256 of the bundled trunk's tensors (names, dtypes, shapes, bytes; mtp.0.* excluded), as the chat
-# fine-tune wrote them (hybridserve/train/finetune_chat.py; the pretrained trunk's was d3cb7616...4757).
-BUNDLED_TRUNK_SHA256 = "015752d8ff9d93f99b365502d534483df497f11c1e510b30b87f2bfb1634c4ff"
+# fine-tune's fifth run wrote them (hybridserve/train/finetune_chat.py; the pretrained trunk's was
+# d3cb7616...4757) and the MTP layer's second distillation kept them.
+BUNDLED_TRUNK_SHA256 = "7b401da5202e11405274e2dd1f34688b8e73e8219c26e47a61338c5f845f4c63"
 
 
 def test_bundled_trunk_tensors_are_the_trained_ones() -> None:
