@@ -93,10 +93,15 @@ def test_llama_cpp_geometry_is_checked() -> None:
 def test_vocabulary_and_special_tokens() -> None:
     vocab = conv.read_vocab(BUNDLED, _config()["vocab_size"])
     tok = json.loads((BUNDLED / "tokenizer.json").read_text())
-    assert len(vocab["tokens"]) == 4096
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    assert len(vocab["tokens"]) == _config()["vocab_size"] == len(tok["model"]["vocab"]) + 4
     for text, i in tok["model"]["vocab"].items():
         assert vocab["tokens"][i] == text
-    assert vocab["types"][:5] == [conv.CONTROL] * 5 and set(vocab["types"][5:]) == {conv.NORMAL}
+    for i, t in added.items():  # DeepSeek-V4's single tokens that are not special: user-defined
+        assert vocab["tokens"][i] == t["content"]
+        assert vocab["types"][i] == (conv.CONTROL if t["special"] else conv.USER_DEFINED)
+    plain = {ty for i, ty in enumerate(vocab["types"]) if i not in added}
+    assert [vocab["types"][i] for i in range(5)] == [conv.CONTROL] * 5 and plain == {conv.NORMAL}
     assert vocab["special"] == {"bos": 0, "eos": 1, "pad": 2}
     assert vocab["add_bos"] is True  # the post-processor puts BOS in front
     assert len(vocab["merges"]) == len(tok["model"]["merges"]) and all(" " in m for m in vocab["merges"])
