@@ -312,15 +312,16 @@ class EngineCore:
 
         With no drafts to verify and none wanted for the next step (load control), the step drafts
         nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""
-        start = time.perf_counter()
-        choice = spec.control.choose(len(self.scheduler.running))
+        start, running = time.perf_counter(), len(self.scheduler.running)
+        choice = spec.control.choose(running)
         if self.draft_collectives is not None:
             self.draft_collectives.begin()
         outputs = self._verify_and_draft(out, spec, choice)
         if self.draft_collectives is not None:
             self.draft_collectives.complete()
         seconds = time.perf_counter() - start
-        parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, len(out.scheduled), choice)
+        # filed under the load the choice was made for, which ``choose`` looks its measurements up by
+        parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, running, choice)
         spec.control.record_step(StepCost(seconds, *parts))
         return outputs
 

@@ -34,7 +34,7 @@ K = TypeVar("K")
 @dataclass(frozen=True)
 class StepCost:
     """One speculative step, timed: its trunk forward over ``tokens`` tokens, the MTP work of ``drafts``
-    drafts per request for ``requests`` requests, and the whole step."""
+    drafts per request while ``requests`` requests ran, and the whole step."""
 
     seconds: float
     trunk_seconds: float
