@@ -7,11 +7,12 @@ request: (last token time - first token time) / (tokens - 1)), draft acceptance 
 tokens) and mean acceptance length (1 + accepted / drafts), and each run's ratio to the first
 configuration (k = 0) of the same (c, mode), measured in the same process. k runs draft k tokens every
 step ("adaptive": false); "3a" is the default adaptive drafting with k = 3, which measures and may turn
-drafting down; "2n" a speculative engine that never drafts (``disable_by_batch_size`` 1: what being
-speculative costs a step that drafts nothing). Each configuration runs ``--repeats`` times, interleaved
-with the others; the fastest run is kept. Also reported: output tokens per CPU second of the process
-(``time.process_time``; with 1 thread this is what the run would reach on an idle core, where wall time on
-a shared machine also counts the time other processes held the core).
+drafting down or off; "2n" a speculative engine that never drafts (``disable_by_batch_size`` 1: every
+step a plain one, what a speculative engine costs where load control has turned drafting off). Each
+configuration runs ``--repeats`` times, interleaved with the others; the fastest run is kept. Also
+reported: output tokens per CPU second of the process (``time.process_time``; with 1 thread this is what
+the run would reach on an idle core, where wall time on a shared machine also counts the time other
+processes held the core).
 
     python benchmarks/spec_decode.py --threads 1 --output-len 64 --concurrency 1 --repeats 3 \
         --json benchmarks/results/spec_decode_c1.json

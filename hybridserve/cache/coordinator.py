@@ -25,6 +25,9 @@ class _RequestBlocks:
     hashes: list[bytes] = field(default_factory=list)
     recycled: dict[str, int] = field(default_factory=dict)  # leading table entries already null
     num_published: int = 0
+    # per group, positions [a, b) whose rows were never written (a drafter's window left behind while
+    # speculation was off): never published, and the drafter reads its window only from b on
+    unwritten: dict[str, tuple[int, int]] = field(default_factory=dict)
     # (from, start below, end at most): allocate(start, end) within these bounds changes nothing (a
     # decode inside its block, no window block to recycle); None: unknown, the tables just changed.
     quiet: tuple[int, int, int] | None = None
@@ -186,6 +189,22 @@ class KvCacheCoordinator:
             req.recycled[name] = min(req.recycled.get(name, 0), keep)
         req.hashes = req.hashes[: num_tokens // self.block_tokens]
         req.num_published = min(req.num_published, len(req.hashes))
+        for name, (a, b) in list(req.unwritten.items()):
+            if min(b, num_tokens) <= a:
+                del req.unwritten[name]
+            else:
+                req.unwritten[name] = (a, min(b, num_tokens))
+
+    def mark_unwritten(self, req_id: str, group: str, start: int, end: int) -> None:
+        """Rows [start, end) of ``group`` were computed but not written (kept as one span, the hull)."""
+        req = self._requests[req_id]
+        a, b = req.unwritten.get(group, (start, end))
+        req.unwritten[group] = (min(a, start), max(b, end))
+
+    def unwritten(self, req_id: str, group: str) -> tuple[int, int]:
+        """The span [a, b) holding every row of ``group`` the request computed but never wrote (a == b:
+        none); from b on every row is written."""
+        return self._requests[req_id].unwritten.get(group, (0, 0))
 
     # ---- prefix caching -------------------------------------------------------------------
     def probe(self, token_ids: list[int]) -> PrefixHit:
@@ -248,7 +267,8 @@ class KvCacheCoordinator:
         self._requests[req_id] = req
 
     def publish(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Publish the request's newly filled blocks under their prefix hashes."""
+        """Publish the request's newly filled blocks under their prefix hashes (not a group's blocks that
+        hold rows never written: a later hit must find that group's block missing, not read them)."""
         if not self.enable_prefix_caching:
             return
         req = self._requests[req_id]
@@ -261,9 +281,13 @@ class KvCacheCoordinator:
         )
         for j in range(req.num_published, full):
             for name, table in req.tables.items():
-                if table[j] != NULL_BLOCK:
+                if table[j] != NULL_BLOCK and not self._holds_unwritten(req, name, j):
                     self.pools[name].publish(table[j], req.hashes[j])
         req.num_published = full
+
+    def _holds_unwritten(self, req: _RequestBlocks, group: str, j: int) -> bool:
+        a, b = req.unwritten.get(group, (0, 0))
+        return a < (j + 1) * self.block_tokens and j * self.block_tokens < b
 
     def reset_prefix_cache(self) -> None:
         for pool in self.pools.pools.values():

@@ -75,3 +75,4 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_plain_steps: int = 0  # steps load control ran without the drafter (plain steps)

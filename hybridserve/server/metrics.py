@@ -182,6 +182,11 @@ def _spec_decode_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield _counter(
         "hybridserve_spec_decode_num_accepted_tokens", "draft tokens accepted", stats.spec_num_accepted_tokens
     )
+    yield _counter(
+        "hybridserve_spec_decode_plain_steps",
+        "steps a speculative engine ran without its drafter (load control chose no drafts)",
+        stats.spec_plain_steps,
+    )
     forwards = CounterMetricFamily(
         "hybridserve_spec_decode_draft_forwards_by_path",
         "MTP layer forwards that drafted: through a compiled draft graph, or eager",

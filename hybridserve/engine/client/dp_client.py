@@ -303,6 +303,7 @@ def merge_snapshots(stats: dict[int, EngineSnapshot]) -> EngineSnapshot:
             "spec_num_drafts",
             "spec_num_draft_tokens",
             "spec_num_accepted_tokens",
+            "spec_plain_steps",
         ):
             setattr(merged, name, getattr(merged, name) + getattr(s, name))
         for group, pool in s.kv_blocks.items():

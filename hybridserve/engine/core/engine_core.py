@@ -310,38 +310,53 @@ class EngineCore:
     def _spec_step(self, out: SchedulerOutput, spec: SpecDecoder) -> list[EngineCoreOutput]:
         """Verify, commit the accepted tokens, roll back the rest, draft; see engine/spec_decode/decoder.py.
 
-        With no drafts to verify and none wanted for the next step (load control), the step drafts
-        nothing but still writes the MTP layer's window KV, so that later drafts read a whole window."""
+        Load control (engine/spec_decode/control.py) picks the drafts per request, or a plain step: one
+        with no drafts to verify runs as the plain engine's would, leaving the MTP window rows of its
+        positions unwritten (unless it is a timing try: then they are written after it is timed)."""
         start, running = time.perf_counter(), len(self.scheduler.running)
-        choice = spec.control.choose(running)
+        ready = sum(1 for s in out.scheduled if s.samples and spec.window_ready(s.request))
+        choice = spec.control.choose(running, ready)
+        plain = choice == 0 and self._may_run_plain(out)
         if self.draft_collectives is not None:
             self.draft_collectives.begin()
-        outputs = self._verify_and_draft(out, spec, choice)
+        outputs = self._verify_and_draft(out, spec, choice, plain)
         if self.draft_collectives is not None:
             self.draft_collectives.complete()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - (spec.draft_seconds if plain else 0.0)
+        decode_only = all(s.samples and s.num_tokens == 1 + s.num_spec for s in out.scheduled)
         # filed under the load the choice was made for, which ``choose`` looks its measurements up by
-        parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, running, choice)
-        spec.control.record_step(StepCost(seconds, *parts))
+        parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, running, choice, spec.num_drafting)
+        spec.control.record_step(StepCost(seconds, *parts, plain=plain, decode_only=decode_only))
         return outputs
 
+    def _may_run_plain(self, out: SchedulerOutput) -> bool:
+        """Decodes only, with no drafts to verify, and no expert-parallel peers (whose steps must run the
+        same collectives)."""
+        return self.group is None and all(
+            s.samples and s.num_tokens == 1 and not s.num_spec for s in out.scheduled
+        )
+
     def _verify_and_draft(
-        self, out: SchedulerOutput, spec: SpecDecoder, choice: int
+        self, out: SchedulerOutput, spec: SpecDecoder, choice: int, plain: bool
     ) -> list[EngineCoreOutput]:
+        timing_try = plain and spec.control.exploring
         try:
             samples = [s.samples for s in out.scheduled]  # before the new tokens change the answer
-            verified = spec.execute(out)
+            verified = spec.execute(out, plain=plain, keep_streams=not plain or timing_try)
             self.stats.consecutive_failures = 0
             outputs, finished = self._commit_verified(out, samples, verified)
             done = {r.request_id for r, _, _ in finished}
             load = (len(self.scheduler.running), self.config.max_num_batched_tokens)
             drafts = [
                 0
-                if s.request.request_id in done or not sampled or self._hands_off(s.request)
+                if plain or s.request.request_id in done or not sampled or self._hands_off(s.request)
                 else min(choice, spec.num_drafts(s.request, self.max_request_tokens, *load))
                 for s, sampled in zip(out.scheduled, samples, strict=True)
             ]
-            spec.propose(out.scheduled, drafts)  # a handed-off prompt's MTP window rows too
+            if plain and not timing_try:
+                spec.leave_windows(out.scheduled)
+            else:
+                spec.propose(out.scheduled, drafts)  # a handed-off prompt's MTP window rows too
         except Exception as exc:
             for s in out.scheduled:
                 s.request.drop_drafts()
@@ -506,6 +521,7 @@ class EngineCore:
             "spec_num_draft_tokens": st.num_draft_tokens,
             "spec_num_accepted_tokens": st.num_accepted_tokens,
             "spec_accepted_per_pos": list(st.accepted_per_pos),
+            "spec_plain_steps": st.num_plain_steps,
         }
 
 

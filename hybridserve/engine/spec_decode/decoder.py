@@ -13,6 +13,12 @@ last k + 1 verified positions run the whole layer, and its output at the last on
 k > 1 the same layer runs again on its own output and draft, one position further, so drafts j >= 2
 write speculative MTP rows past the verified end, which the next step rewrites. Published
 (prefix-cached) blocks hold verified rows only.
+
+When load control picks a plain step (engine/spec_decode/control.py), the step is the plain engine's: no
+streams kept, the plain sampler, no MTP work. Its positions' window rows stay unwritten
+(``KvCacheCoordinator.mark_unwritten``: never published, never read): a request drafts again only once
+its next drafting forward would read none of them, the rows after them having been written by
+speculative steps that drafted nothing for it (``window_ready``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_plain_steps: int = 0  # steps load control ran without the drafter
 
     def observe(self, verified: Verified) -> None:
         if not verified.num_drafts:
@@ -73,6 +80,8 @@ class SpecDecoder:
         self.model, self.cache, self.coordinator, self.device = model, pools.tensors(), coordinator, device
         self.runner = runner
         self.draft_group: str = group
+        spec = next(g.spec for g in coordinator.plan.groups if g.spec.name == group)
+        self.window_tokens = spec.window_tokens  # the rows before a position that its attention reads
         self.k = num_speculative_tokens
         self.control = control or DraftController(num_speculative_tokens, adaptive=False)
         self.rejection = RejectionSampler(runner.sampler)
@@ -80,17 +89,24 @@ class SpecDecoder:
         self._streams: torch.Tensor | None = None  # the trunk's streams of the current step
         self.trunk_seconds = 0.0  # the last step's trunk forward and verification (``execute``)
         self.draft_seconds = 0.0  # the last step's MTP work (``propose``)
+        self.num_drafting = 0  # requests the last ``propose`` drafted for
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[Verified]:
+    def execute(self, out: SchedulerOutput, plain: bool = False, keep_streams: bool = True) -> list[Verified]:
         """Trunk forward over every scheduled token (``ModelRunner.forward``: a decode step or one that
         verifies up to k drafts per request may take a decode graph, others the prefill graph); one
-        Verified per scheduled request that samples."""
-        start, self.trunk_seconds, self.draft_seconds = time.perf_counter(), 0.0, 0.0
-        logits, self._streams = self.runner.forward(out.scheduled, keep_streams=True)
+        Verified per scheduled request that samples. ``plain``: a step with no drafts to verify, sampled
+        by the plain sampler (its streams kept only if ``keep_streams``, for ``propose``)."""
+        start, self.trunk_seconds, self.draft_seconds, self.num_drafting = time.perf_counter(), 0.0, 0.0, 0
+        logits, self._streams = self.runner.forward(out.scheduled, keep_streams=keep_streams)
         sampling = [s for s in out.scheduled if s.samples]
         verified: list[Verified] = []
-        if sampling:
+        if sampling and plain:
+            assert not any(s.num_spec for s in sampling)
+            self.stats.num_plain_steps += 1
+            results = self.runner.sampler(logits, [s.request for s in sampling])
+            verified = [Verified([r], 0) for r in results]
+        elif sampling:
             requests = [s.request for s in sampling]
             verified = self.rejection.verify(logits, requests, [s.num_spec for s in sampling])
         self.trunk_seconds = time.perf_counter() - start
@@ -103,9 +119,27 @@ class SpecDecoder:
     def num_drafts(self, req: Request, max_request_tokens: int, num_running: int, budget: int) -> int:
         """How many tokens to draft for ``req``'s next step: none past max_tokens or the context limit,
         and fewer when every running request's drafts would not fit the step's token budget."""
+        if not self.window_ready(req):
+            return 0
         room = min(req.max_tokens - len(req.output_token_ids), max_request_tokens - req.num_tokens) - 1
         under_load = max(0, budget // max(num_running, 1) - 1)
         return max(0, min(self.k, room, under_load))
+
+    def window_ready(self, req: Request) -> bool:
+        """Whether drafting from ``req``'s verified end would read only written MTP window rows: the
+        layer runs its last k + 1 positions, each seeing ``window_tokens`` rows before it."""
+        if not self.coordinator.has_request(req.request_id):
+            return True  # not admitted yet: its prompt's forward writes the rows
+        a, b = self.coordinator.unwritten(req.request_id, self.draft_group)
+        return a == b or req.num_computed_tokens - self.k - 1 - self.window_tokens >= b
+
+    def leave_windows(self, scheduled: list[ScheduledRequest]) -> None:
+        """A plain step: the MTP window rows of its positions stay unwritten."""
+        self._streams = None
+        for s in scheduled:
+            req = s.request
+            self.coordinator.mark_unwritten(req.request_id, self.draft_group, s.start, s.end)
+            req.drop_drafts()
 
     def propose(self, scheduled: list[ScheduledRequest], drafts: list[int]) -> None:
         """The MTP layer's window KV at every position the step verified (``num_computed_tokens`` already
@@ -120,6 +154,7 @@ class SpecDecoder:
         streams, self._streams = self._streams, None
         requests = [s.request for s in scheduled]
         drafts = [self._chain_room(r, n) for r, n in zip(requests, drafts, strict=True)]
+        self.num_drafting = sum(1 for n in drafts if n)
         # A drafting request's last few verified positions run through the whole layer (a decode step's
         # span: the same cost as one position); every other verified position writes its row only, so a
         # step that drafts nothing (load control) still leaves the window whole for later drafts.

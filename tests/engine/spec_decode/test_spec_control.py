@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.spec_decode.control import DraftController, StepCost
+from hybridserve.engine.spec_decode.control import SWITCH_MARGIN, DraftController, StepCost
 
 MS = 1e-3
 
@@ -10,9 +10,15 @@ MS = 1e-3
 def _step(
     n: int, verified: int, drafts: int, trunk_ms: float, draft_ms: float, other_ms: float = 1.0
 ) -> StepCost:
-    """A step of n requests that verifies ``verified`` drafts each and drafts ``drafts`` each."""
+    """A speculative decode step of n requests that verifies ``verified`` drafts each and drafts
+    ``drafts`` each."""
     total = (trunk_ms + draft_ms + other_ms) * MS
-    return StepCost(total, trunk_ms * MS, draft_ms * MS, n * (1 + verified), n, drafts)
+    return StepCost(total, trunk_ms * MS, draft_ms * MS, n * (1 + verified), n, drafts, n if drafts else 0)
+
+
+def _plain(n: int, trunk_ms: float, other_ms: float = 0.5) -> StepCost:
+    """A plain decode step of n requests."""
+    return StepCost((trunk_ms + other_ms) * MS, trunk_ms * MS, 0.0, n, n, 0, plain=True)
 
 
 def _teach(control: DraftController, steps: list[StepCost], acceptance: float) -> None:
@@ -27,35 +33,67 @@ def _teach(control: DraftController, steps: list[StepCost], acceptance: float) -
 
 def test_times_each_kind_of_step_first() -> None:
     control = DraftController(3)
-    assert control.choose(4) == 3
+    assert control.choose(4) == 3 and control.exploring
     control.record_step(_step(4, 0, 3, 10, 3))
-    assert control.choose(4) == 0
-    control.record_step(_step(4, 3, 0, 12, 0.2))
-    assert control.choose(4) in range(4)
+    assert control.choose(4) == 0 and control.exploring
+    control.record_step(_plain(4, 9))
+    assert control.choose(4) in range(4) and not control.exploring
+
+
+def test_drafting_is_tried_only_once_a_request_can_draft() -> None:
+    control = DraftController(2)
+    assert control.choose(4, 0) == 0 and control.exploring  # no window whole: time a plain step first
+    control.record_step(_plain(4, 9))
+    assert control.choose(4, 0) == 0  # nothing known of drafting, none can draft
+    assert control.choose(4, 1) == 2 and control.exploring
 
 
 def test_drafts_where_steps_cost_little_more_and_stops_where_they_cost_much_more() -> None:
     # launch-bound (a GPU at small batch): more tokens cost almost nothing
     flat = DraftController(2)
-    _teach(flat, [_step(1, 0, 0, 10, 0.1), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
+    _teach(flat, [_plain(1, 10), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
     assert flat.choose(1) == 2
     # compute-bound: a step costs in proportion to its tokens, MTP on top
     linear = DraftController(2)
-    _teach(linear, [_step(16, 0, 0, 16, 0.5), _step(16, 2, 2, 48, 12)], 0.6)
+    _teach(linear, [_plain(16, 16), _step(16, 2, 2, 48, 12)], 0.6)
     assert linear.choose(16) == 0
 
 
 def test_a_step_that_drafts_none_is_not_blamed_for_verifying_the_drafts_before_it() -> None:
-    """Alternating choices: a step that drafts none verifies the last step's drafts (a dear trunk forward)
-    and one that drafts verifies none (a cheap one). Filed by the whole step under its own choice, not
-    drafting would look dearer than drafting; with the parts kept apart the controller sees that drafting
-    costs 48 ms of trunk a step where not drafting costs 16, and stops."""
+    """A step that drafts none but verifies the last step's drafts runs a dear trunk forward; filed by the
+    whole step under its own choice, not drafting would look dearer than drafting. With the parts kept
+    apart the controller sees that drafting costs 48 ms of trunk a step where a plain step costs 16, and
+    stops."""
     control = DraftController(2)
     after_drafting = _step(16, 2, 0, 48, 0.5)  # drafts none, verifies 2 each
-    after_plain = _step(16, 0, 2, 16, 12)  # drafts 2, verifies none
-    _teach(control, [after_drafting, after_plain], 0.7)
+    plain = _plain(16, 16)
+    drafting = _step(16, 0, 2, 16, 12)  # drafts 2, verifies none
+    _teach(control, [after_drafting, plain, drafting], 0.7)
     assert control.estimate(0, 16) < control.estimate(2, 16) / 2
     assert control.choose(16) == 0
+
+
+def test_changing_kind_of_step_takes_a_margin() -> None:
+    """Going plain leaves the drafter's windows behind (and drafting again must rebuild them): a choice of
+    the other kind must look SWITCH_MARGIN faster, not just faster."""
+    control = DraftController(1)
+    _teach(control, [_plain(4, 10, 0.0), _step(4, 1, 1, 13.5, 0.5, 0.5)], 0.5)
+    control.acceptance, control._steps = [0.5], 100  # 1.5 tokens a request a drafting step; no tries due
+    assert control.choose(4) == 1  # 6 tokens in 14.5 ms against 4 in 10
+    _teach(control, [_plain(4, 9.4, 0.0)], 0.5)
+    control.acceptance = [0.5]
+    assert 1 < control.estimate(1, 4) / control.estimate(0, 4) / 1.5 < 1 + SWITCH_MARGIN
+    assert control.choose(4) == 1  # plain looks 3% faster: not enough
+    _teach(control, [_plain(4, 8.5, 0.0)], 0.5)
+    control.acceptance = [0.5]
+    assert control.choose(4) == 0 and not control.exploring
+
+
+def test_drafting_is_not_retried_while_no_request_can_draft() -> None:
+    control = DraftController(2)
+    _teach(control, [_plain(16, 16), _step(16, 2, 2, 48, 12)], 0.6)
+    assert [control.choose(16, 0) for _ in range(64)] == [0] * 64
+    assert any(control.choose(16, 16) for _ in range(64))  # tries drafting again once some can
 
 
 def test_disable_by_batch_size_and_fixed_k() -> None:
@@ -66,6 +104,6 @@ def test_disable_by_batch_size_and_fixed_k() -> None:
 
 def test_tries_the_runner_up_soon_after_the_start_then_every_32_steps() -> None:
     control = DraftController(2)
-    _teach(control, [_step(1, 0, 0, 10, 0.1), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
+    _teach(control, [_plain(1, 10), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
     picks = [control.choose(1) for _ in range(64)]
     assert [step for step, c in enumerate(picks, start=1) if c != 2] == [4, 8, 16, 32, 64]

@@ -1,9 +1,11 @@
-"""Steps that draft nothing (load control) still write the MTP layer's window KV: when drafting resumes,
-the draft reads a whole window and equals the draft of a run that never paused."""
+"""After plain steps (load control turned drafting off, the MTP window rows of their positions unwritten),
+speculative steps that draft nothing for the request rebuild its window; when drafting resumes, the draft
+reads a whole window of written rows and equals the draft of a run that never paused."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain, repeat
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ from tests.engine.spec_decode.spec_helpers import mtp
 from tests.tiny_models import VOCAB
 
 K = 2
-PLAN = [K, K, 0, 0, 0, 0, 0, 0, 0, K]  # drafts chosen per step: a stretch of plain steps, then drafting
+PLAN = [K, K, 0, 0, 0, 0, 0, 0, 0]  # drafts chosen per step: a stretch of plain steps, then K again
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -44,16 +46,22 @@ def test_drafts_after_plain_steps_equal_those_of_a_run_that_never_paused(
     folder = mtp_checkpoint("mixed")
     prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(3)).tolist()
     paused = _core(folder)
-    choices = iter(PLAN)
-    paused.spec.control.choose = lambda num_running: next(choices)  # type: ignore[union-attr, method-assign]
+    choices = chain(PLAN, repeat(K))
+    paused.spec.control.choose = lambda n, ready=None: next(choices)  # type: ignore[union-attr, method-assign]
     req = Request("paused", prompt, GREEDY)
     paused.add_request(req)
     for _ in PLAN:
         paused.step()
-    assert len(req.spec_token_ids) == K
+    paused_at = req.num_computed_tokens
+    rebuild = 0
+    while not req.spec_token_ids:
+        paused.step()
+        rebuild += 1
+    assert len(req.spec_token_ids) == K and paused.snapshot().spec_plain_steps >= len(PLAN) - 3
     c = req.num_computed_tokens
     window = paused.model.cfg.sliding_window
-    assert c - len(prompt) > window  # the plain stretch covered the whole window
+    assert c - window - K >= paused_at  # no draft before a whole window was rewritten after the pause
+    assert rebuild <= window + K + 1
 
     # Never paused: the same tokens as a prompt; its prefill writes every MTP row, then it drafts.
     fresh = _core(folder)
