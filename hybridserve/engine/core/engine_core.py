@@ -84,6 +84,7 @@ class EngineCore:
         self.runner = self._build_runner()
         self.spec = self._build_spec_decoder()
         self.draft_collectives = self._draft_collectives()
+        self._step_start = 0.0
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.role = build_role(
@@ -253,6 +254,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. A failure inside the forward or the sampler fails only that step's requests
         (finish reason ERROR, blocks freed); EngineDeadError when the engine itself cannot go on."""
+        self._step_start = time.perf_counter()  # load control times whole steps, scheduling included
         early = self._between_steps()
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -313,17 +315,17 @@ class EngineCore:
         Load control (engine/spec_decode/control.py) picks the drafts per request, or a plain step: one
         with no drafts to verify runs as the plain engine's would, leaving the MTP window rows of its
         positions unwritten (unless it is a timing try: then they are written after it is timed)."""
-        start, running = time.perf_counter(), len(self.scheduler.running)
+        start, running = self._step_start, len(self.scheduler.running)
         ready = sum(1 for s in out.scheduled if s.samples and spec.window_ready(s.request))
         choice = spec.control.choose(running, ready)
         plain = choice == 0 and self._may_run_plain(out)
+        decode_only = all(s.samples and s.num_tokens == 1 + s.num_spec for s in out.scheduled)
         if self.draft_collectives is not None:
             self.draft_collectives.begin()
         outputs = self._verify_and_draft(out, spec, choice, plain)
         if self.draft_collectives is not None:
             self.draft_collectives.complete()
         seconds = time.perf_counter() - start - (spec.draft_seconds if plain else 0.0)
-        decode_only = all(s.samples and s.num_tokens == 1 + s.num_spec for s in out.scheduled)
         # filed under the load the choice was made for, which ``choose`` looks its measurements up by
         parts = (spec.trunk_seconds, spec.draft_seconds, out.num_tokens, running, choice, spec.num_drafting)
         spec.control.record_step(StepCost(seconds, *parts, plain=plain, decode_only=decode_only))

@@ -17,16 +17,23 @@ A step's time has three parts, each learned from the steps that ran it (``StepCo
 * the rest (sampling, scheduling, commit), per (kind of step, octave of the running requests n).
 
 With n requests of which r draft c tokens each, a step verifies n + r c tokens and yields n + r (E(c) - 1)
-of them, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i); a plain step yields n. The
+of them, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i: its first verifications are
+averaged with the prior, later ones move an EMA); a plain step yields n. The
 controller picks the choice with the most tokens per second. Parts never measured are scaled from the
 nearest measured ones. At each octave of n, drafting k (once some request can) and a plain step are each
-timed once first, and now and then (steps 4, 8, 16, then every RETRY_EVERY) the runner-up is tried again,
-so estimates follow the load. A plain step that is such a try writes the window rows after it is timed,
-so trying costs no drafting later; switching between plain and drafting as the choice takes a margin
-(SWITCH_MARGIN), because it leaves windows behind or must rebuild them. Keeping the parts apart matters:
-a step that drafts none may still verify the drafts of the step before, so a whole-step time filed under
-its own choice would make not drafting look dear. Only decode steps teach the MTP and rest parts (a
-prompt's chunk writes many window rows and costs what its prompt costs).
+tried first; then the runner-up is tried again FIRST_RETRY steps later, and after twice as many steps each
+time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the choice changes kind), but never so often that
+its tries cost more than about RETRY_BUDGET of the speed (a runner-up 30% slower waits 90 steps), so
+estimates follow the load while a clear loser costs little. A try lasts until a steady step of its kind was
+timed: only decode steps teach the parts, and not the first SETTLE of a kind after a change of kind (the
+first verifies the last step's drafts, or has none to verify; on a CPU the trunk ran 50% then 25% slower
+for the two plain steps after drafting, on caches the MTP work had filled), nor a prompt's chunk (it writes
+many window rows and costs what its prompt costs). A plain step that is a try writes the window rows after
+it is timed, so trying costs no drafting later; switching between plain and drafting as the choice takes a
+margin (SWITCH_MARGIN), because it leaves windows behind or must rebuild them. Keeping the parts apart
+matters: a step that drafts none may still verify the drafts of the step before, so a whole-step time
+filed under its own choice would make not drafting look dear. A step's time runs from the start of
+``EngineCore.step`` (scheduling included) to its outputs.
 vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that many requests run.
 """
 
@@ -38,8 +45,13 @@ from typing import TypeVar
 
 EMA = 0.3  # weight of a new measurement
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft was verified
-RETRY_EVERY = 32  # steps between tries of the runner-up
+PRIOR_WEIGHT = 2  # ... worth that many verifications: the first ones average, later ones move an EMA
+FIRST_RETRY = 4  # steps at a load before the runner-up is tried again; the gap doubles after each try
+MAX_RETRY_GAP = 1024
+RETRY_BUDGET = 0.02  # at most about this share of the speed is lost to tries of a slower runner-up
+SETTLE = 2  # steps of a kind after a change of kind that are not timed (caches refill, drafts drain)
 SWITCH_MARGIN = 0.05  # how much faster the other kind of step must look before the choice changes kind
+TRY_STEPS = 6  # steps a try may take: a step verifying the last drafts, SETTLE steps, a timed one
 K = TypeVar("K")
 
 
@@ -78,12 +90,20 @@ class DraftController:
     draft_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (c, drafting bucket) -> s
     other_seconds: dict[tuple[bool, int], float] = field(default_factory=dict)  # (plain, bucket) -> s
     acceptance: list[float] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)  # verifications seen at each draft position
     exploring: bool = False  # the last choice is a try, not the best estimate
     _steps: int = 0
+    _retry_from: dict[int, int] = field(default_factory=dict)  # request bucket -> step of its last try
+    _retry_gap: dict[int, int] = field(default_factory=dict)  # request bucket -> steps between its tries
     _last: int | None = None  # the last choice that was not a try
+    _trying: tuple[int, int] | None = None  # (choice, steps left) of the try under way
+    _prev_kind: str = ""  # the kind of the last step recorded ("plain", "drafting" or "")
+    _run: int = 0  # steps of that kind in a row
+    _measured: bool = False  # the try under way got a steady step of its kind
 
     def __post_init__(self) -> None:
         self.acceptance = [PRIOR_ACCEPTANCE] * self.k
+        self.verified = [0] * self.k
 
     def choose(self, num_running: int, num_ready: int | None = None) -> int:
         """Drafts per request for the next step; 0: a plain step. ``num_ready``: how many of the requests
@@ -96,6 +116,13 @@ class DraftController:
         self._steps += 1
         n = num_running
         ready = n if num_ready is None else num_ready
+        if self._trying is not None:
+            c, left = self._trying
+            if not self._measured and left > 0 and (c == 0 or ready):
+                self._trying = (c, left - 1)
+                self.exploring = True
+                return c
+            self._trying = None
         if ready and (self.k, _request_bucket(ready)) not in self.draft_seconds:
             return self._try(self.k)
         if (True, _request_bucket(n)) not in self.other_seconds:
@@ -104,18 +131,27 @@ class DraftController:
             return 0
         rate = self._rates(n, ready or n)  # none ready: whether rebuilding the windows would pay
         ranked = sorted(rate, key=lambda c: -rate[c])
-        if len(ranked) > 1 and self._retry_due() and (ready or ranked[1] == 0):
+        b = _request_bucket(n)
+        loss = 1 - rate[ranked[1]] / rate[ranked[0]] if len(ranked) > 1 else 0.0
+        if (ranked[0] == 0) != (ranked[1] == 0):
+            loss *= TRY_STEPS  # a try of the other kind runs through its transition steps too
+        if len(ranked) > 1 and self._retry_due(b, loss) and (ready or ranked[1] == 0):
             return self._try(ranked[1])
         best = ranked[0]
         if self._last is not None and (best == 0) != (self._last == 0):
             stay = max((c for c in rate if (c == 0) == (self._last == 0)), key=lambda c: rate[c])
             if rate[best] < (1 + SWITCH_MARGIN) * rate[stay]:
                 best = stay
+            else:
+                self._retry_gap[b] = FIRST_RETRY
         self._last = best
         return best
 
     def _try(self, c: int) -> int:
-        self.exploring = True
+        """A try lasts until a steady step of its kind was timed (the step after a change of kind is a
+        transition: it verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at
+        most."""
+        self.exploring, self._trying, self._measured = True, (c, TRY_STEPS - 1), False
         return c
 
     def _rates(self, n: int, ready: int) -> dict[int, float]:
@@ -133,10 +169,16 @@ class DraftController:
         r = n if ready is None else ready
         return self._trunk(n + r * c) + self._draft(c, r) + self._other(False, n)
 
-    def _retry_due(self) -> bool:
-        """Steps 4, 8 and 16, then every RETRY_EVERY: a first timing taken during a load spike is
-        corrected within a short request, not only after RETRY_EVERY steps."""
-        return self._steps in (4, 8, 16) or self._steps % RETRY_EVERY == 0
+    def _retry_due(self, bucket: int, loss: float) -> bool:
+        """Whether the runner-up is due a try at this load, ``loss`` the steps' worth a try of it costs:
+        after the gap (doubling with each try) and after enough steps that its tries cost about
+        RETRY_BUDGET."""
+        gap = self._retry_gap.setdefault(bucket, FIRST_RETRY)
+        last = self._retry_from.setdefault(bucket, self._steps)
+        if self._steps - last < max(gap, loss / RETRY_BUDGET):
+            return False
+        self._retry_gap[bucket], self._retry_from[bucket] = min(2 * gap, MAX_RETRY_GAP), self._steps
+        return True
 
     def _trunk(self, tokens: int) -> float:
         """Measured at that size, or scaled from the nearest measured size by the square root of the ratio
@@ -173,16 +215,25 @@ class DraftController:
         return total
 
     def record_step(self, cost: StepCost) -> None:
-        """A step's timed parts (see the module docstring)."""
+        """A step's timed parts (see the module docstring). The MTP and rest parts are learned from steady
+        steps only: a decode step of the same kind as the step before it."""
         if cost.seconds <= 0 or cost.tokens <= 0:
             return
+        kind = "plain" if cost.plain else "drafting" if cost.drafts and cost.drafting else ""
+        self._run = self._run + 1 if kind == self._prev_kind else 1
+        self._prev_kind = kind
+        steady = bool(kind) and self._run > SETTLE and cost.decode_only
+        if not steady and kind:
+            return  # settling: its trunk too ran on caches the other kind filled
         _update(self.trunk_seconds, _token_bucket(cost.tokens), cost.trunk_seconds)
-        if not cost.decode_only:
+        if not steady:
             return
         b = _request_bucket(cost.requests)
+        if self._trying is not None and (self._trying[0] == 0) == cost.plain:
+            self._measured = True
         if cost.plain:
             _update(self.other_seconds, (True, b), max(cost.seconds - cost.trunk_seconds, 0.0))
-        elif cost.drafts and cost.drafting:
+        else:
             _update(self.draft_seconds, (cost.drafts, _request_bucket(cost.drafting)), cost.draft_seconds)
             rest = cost.seconds - cost.trunk_seconds - cost.draft_seconds
             _update(self.other_seconds, (False, b), max(rest, 0.0))
@@ -191,7 +242,9 @@ class DraftController:
         """One request's verification: drafts 0..num_accepted-1 accepted, the next one (if any) not."""
         for i in range(min(num_accepted + 1, num_drafts)):
             hit = 1.0 if i < num_accepted else 0.0
-            self.acceptance[i] = (1 - EMA / 4) * self.acceptance[i] + EMA / 4 * hit
+            self.verified[i] += 1
+            weight = max(1 / (self.verified[i] + PRIOR_WEIGHT), EMA / 4)
+            self.acceptance[i] += weight * (hit - self.acceptance[i])
 
 
 def _update(table: dict[K, float], key: K, seconds: float) -> None:

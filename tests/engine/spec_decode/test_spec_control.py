@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.spec_decode.control import SWITCH_MARGIN, DraftController, StepCost
+from hybridserve.engine.spec_decode.control import (
+    FIRST_RETRY,
+    SETTLE,
+    SWITCH_MARGIN,
+    DraftController,
+    StepCost,
+)
 
 MS = 1e-3
 
@@ -24,27 +30,33 @@ def _plain(n: int, trunk_ms: float, other_ms: float = 0.5) -> StepCost:
 def _teach(control: DraftController, steps: list[StepCost], acceptance: float) -> None:
     """Feed the steps and verifications at ``acceptance``, many times over."""
     for _ in range(40):
-        for step in steps:
-            control.record_step(step)
+        for step in steps:  # the first SETTLE steps of a kind after another are not timed
+            for _ in range(SETTLE + 1):
+                control.record_step(step)
         hits = round(acceptance * 10)
         for i in range(10):
             control.record_verified(1, 1 if i < hits else 0)
 
 
 def test_times_each_kind_of_step_first() -> None:
+    """Each try lasts until a steady step of its kind was timed (the first after a change of kind is a
+    transition)."""
     control = DraftController(3)
-    assert control.choose(4) == 3 and control.exploring
-    control.record_step(_step(4, 0, 3, 10, 3))
-    assert control.choose(4) == 0 and control.exploring
-    control.record_step(_plain(4, 9))
+    for _ in range(SETTLE + 1):
+        assert control.choose(4) == 3 and control.exploring
+        control.record_step(_step(4, 3, 3, 10, 3))
+    for _ in range(SETTLE + 1):
+        assert control.choose(4) == 0 and control.exploring
+        control.record_step(_plain(4, 9))
     assert control.choose(4) in range(4) and not control.exploring
 
 
 def test_drafting_is_tried_only_once_a_request_can_draft() -> None:
     control = DraftController(2)
-    assert control.choose(4, 0) == 0 and control.exploring  # no window whole: time a plain step first
-    control.record_step(_plain(4, 9))
-    assert control.choose(4, 0) == 0  # nothing known of drafting, none can draft
+    for _ in range(SETTLE + 1):
+        assert control.choose(4, 0) == 0 and control.exploring  # no window whole: a plain step first
+        control.record_step(_plain(4, 9))
+    assert control.choose(4, 0) == 0 and not control.exploring  # nothing known of drafting, none can draft
     assert control.choose(4, 1) == 2 and control.exploring
 
 
@@ -93,7 +105,7 @@ def test_drafting_is_not_retried_while_no_request_can_draft() -> None:
     control = DraftController(2)
     _teach(control, [_plain(16, 16), _step(16, 2, 2, 48, 12)], 0.6)
     assert [control.choose(16, 0) for _ in range(64)] == [0] * 64
-    assert any(control.choose(16, 16) for _ in range(64))  # tries drafting again once some can
+    assert any(control.choose(16, 16) for _ in range(400))  # tries drafting again once some can
 
 
 def test_disable_by_batch_size_and_fixed_k() -> None:
@@ -102,8 +114,38 @@ def test_disable_by_batch_size_and_fixed_k() -> None:
     assert control.expected_tokens(0) == 1.0
 
 
-def test_tries_the_runner_up_soon_after_the_start_then_every_32_steps() -> None:
+def test_tries_a_close_runner_up_soon_then_ever_less_often() -> None:
     control = DraftController(2)
-    _teach(control, [_plain(1, 10), _step(1, 2, 2, 11, 1), _step(1, 1, 1, 10.5, 0.5)], 0.8)
-    picks = [control.choose(1) for _ in range(64)]
-    assert [step for step, c in enumerate(picks, start=1) if c != 2] == [4, 8, 16, 32, 64]
+    steps = {0: _plain(1, 10), 1: _step(1, 1, 1, 10.5, 0.5), 2: _step(1, 2, 2, 12.9, 1)}  # 1: 1% slower
+    _teach(control, list(steps.values()), 0.8)
+    picks = []
+    for _ in range(64):
+        picks.append(control.choose(1))
+        control.record_step(steps[picks[-1]])
+    starts = [i for i, c in enumerate(picks, start=1) if c != 2 and (i == 1 or picks[i - 2] == 2)]
+    assert starts == [5, 13, 29, 61]  # 4 steps after the first choice, then gaps of 8, 16, 32
+    assert sum(c != 2 for c in picks) == len(starts)  # 2 and 1 are both drafting: timed at once
+
+
+def test_a_clear_loser_is_tried_seldom() -> None:
+    """Tries of a runner-up that looks 50% slower cost the engine no more than about RETRY_BUDGET."""
+    control = DraftController(2)
+    steps = {0: _plain(16, 16), 1: _step(16, 1, 1, 32, 6), 2: _step(16, 2, 2, 48, 12)}
+    _teach(control, list(steps.values()), 0.6)
+    picks = []
+    for _ in range(400):
+        picks.append(control.choose(16))
+        control.record_step(steps[picks[-1]])
+    assert picks.count(0) >= 0.97 * len(picks)
+
+
+def test_tries_come_often_again_once_the_choice_changes_kind() -> None:
+    control = DraftController(2)
+    steps = {0: _plain(1, 10), 1: _step(1, 1, 1, 10.5, 0.5), 2: _step(1, 2, 2, 11, 1)}
+    _teach(control, list(steps.values()), 0.8)
+    for _ in range(200):
+        control.record_step(steps[control.choose(1)])
+    assert control._retry_gap[1] >= 64
+    _teach(control, [_plain(1, 2)], 0.8)  # plain steps got much cheaper
+    picks = [control.choose(1) for _ in range(3)]
+    assert picks[-1] == 0 and control._retry_gap[1] == FIRST_RETRY

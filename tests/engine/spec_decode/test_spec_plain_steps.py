@@ -157,3 +157,26 @@ def test_the_poison_is_seen_when_drafting_does_not_wait(
     _, clean, _ = _run(folder, prompts, poison=False)
     _, poisoned, _ = _run(folder, prompts, poison=True)
     assert not _same_drafts(clean, poisoned)
+
+
+def test_load_control_times_both_kinds_of_step_on_real_steps(
+    mtp_checkpoint: Callable[[str], Path], prompts: list[list[int]]
+) -> None:
+    """Unforced, the controller tries drafting and a plain step, learns the parts of each from the
+    engine's own steps, and the tokens stay the plain engine's."""
+    folder = mtp_checkpoint("mixed")
+    plain_llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, PARAMS)]
+    llm = LLM(
+        str(folder),
+        block_tokens=8,
+        kv_cache_memory=KV,
+        max_num_seqs=4,
+        speculative_config=mtp(2, adaptive=True),
+        enforce_eager=True,
+    )
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    assert llm.engine.spec is not None
+    control = llm.engine.spec.control
+    assert control.draft_seconds and {plain for plain, _ in control.other_seconds} == {True, False}
+    assert llm.engine.snapshot().spec_plain_steps > 0
