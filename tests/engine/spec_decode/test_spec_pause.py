@@ -63,12 +63,36 @@ def test_drafts_after_plain_steps_equal_those_of_a_run_that_never_paused(
     assert c - window - K >= paused_at  # no draft before a whole window was rewritten after the pause
     assert rebuild <= window + K + 1
 
-    # Never paused: the same tokens as a prompt; its prefill writes every MTP row, then it drafts.
+    _assert_drafts_of_a_fresh_run(folder, paused, req)
+
+
+def test_drafts_after_a_stretch_of_fewer_drafts_equal_those_of_a_fresh_run(
+    mtp_checkpoint: Callable[[str], Path],
+) -> None:
+    """Load control may draft 1 for a while, then k again: the k drafts then (depth 2 and on included)
+    equal those of a run that prefilled the same tokens and drafts k at once."""
+    folder = mtp_checkpoint("mixed")
+    prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    core = _core(folder)
+    choices = chain([K], repeat(1, 6), repeat(K))
+    core.spec.control.choose = lambda n, ready=None: next(choices)  # type: ignore[union-attr, method-assign]
+    req = Request("varied", prompt, GREEDY)
+    core.add_request(req)
+    for _ in range(8):  # the last step drafts K after six steps drafting 1
+        core.step()
+    assert len(req.spec_token_ids) == K
+    _assert_drafts_of_a_fresh_run(folder, core, req)
+
+
+def _assert_drafts_of_a_fresh_run(folder: Path, core: EngineCore, req: Request) -> None:
+    """``req``'s drafts and last window of MTP rows equal those of a run that takes its computed tokens as
+    a prompt (its prefill writes every MTP row) and drafts at once."""
+    c = req.num_computed_tokens
     fresh = _core(folder)
     ref = Request("fresh", req.all_token_ids[:c], GREEDY)
     fresh.add_request(ref)
     fresh.step()
     assert ref.output_token_ids[0] == req.all_token_ids[c]
     assert ref.spec_token_ids == req.spec_token_ids
-    span = range(c - window, c)
-    torch.testing.assert_close(_mtp_rows(paused, req, span), _mtp_rows(fresh, ref, span), atol=1e-5, rtol=0)
+    span = range(c - core.model.cfg.sliding_window, c)
+    torch.testing.assert_close(_mtp_rows(core, req, span), _mtp_rows(fresh, ref, span), atol=1e-5, rtol=0)
