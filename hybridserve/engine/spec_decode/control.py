@@ -18,22 +18,22 @@ A step's time has three parts, each learned from the steps that ran it (``StepCo
 
 With n requests of which r draft c tokens each, a step verifies n + r c tokens and yields n + r (E(c) - 1)
 of them, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i: its first verifications are
-averaged with the prior, later ones move an EMA); a plain step yields n. The
-controller picks the choice with the most tokens per second. Parts never measured are scaled from the
-nearest measured ones. At each octave of n, drafting k (once some request can) and a plain step are each
-tried first; then the runner-up is tried again FIRST_RETRY steps later, and after twice as many steps each
-time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the choice changes kind), but never so often that
-its tries cost more than about RETRY_BUDGET of the speed (a runner-up 30% slower waits 90 steps), so
-estimates follow the load while a clear loser costs little. A try lasts until a steady step of its kind was
-timed: only decode steps teach the parts, and not the first SETTLE of a kind after a change of kind (the
-first verifies the last step's drafts, or has none to verify; on a CPU the trunk ran 50% then 25% slower
-for the two plain steps after drafting, on caches the MTP work had filled), nor a prompt's chunk (it writes
-many window rows and costs what its prompt costs). A plain step that is a try writes the window rows after
-it is timed, so trying costs no drafting later; switching between plain and drafting as the choice takes a
-margin (SWITCH_MARGIN), because it leaves windows behind or must rebuild them. Keeping the parts apart
-matters: a step that drafts none may still verify the drafts of the step before, so a whole-step time
-filed under its own choice would make not drafting look dear. A step's time runs from the start of
-``EngineCore.step`` (scheduling included) to its outputs.
+averaged with the prior, later ones move an EMA); a plain step yields n. The controller picks the choice
+with the most tokens per second. Parts never measured are scaled from the nearest measured ones. At each
+octave of n, drafting k (once some request can) and a plain step are each tried first; then the runner-up
+is tried again FIRST_RETRY steps later, and after twice as many steps each time (MAX_RETRY_GAP at most;
+back to FIRST_RETRY once the choice changes kind), but never so often that its tries cost more than about
+RETRY_BUDGET of the speed (a runner-up 30% slower waits 90 steps), so estimates follow the load while a
+clear loser costs little. A try lasts until a steady step of its kind was timed: only decode steps teach
+the parts, and not the first SETTLE after a change of kind (plain, or drafting c; the first verifies the
+last step's drafts, or has none to verify; on a CPU the trunk ran 50% then 25% slower for the two plain
+steps after drafting, on caches the MTP work had filled), nor a prompt's chunk (it writes many window rows
+and costs what its prompt costs). A plain step that is a try writes the window rows after it is timed, so
+trying costs no drafting later; switching between plain and drafting as the choice takes a margin
+(SWITCH_MARGIN), because it leaves windows behind or must rebuild them. Keeping the parts apart matters: a
+step that drafts none may still verify the drafts of the step before, so a whole-step time filed under its
+own choice would make not drafting look dear. A step's time runs from the start of ``EngineCore.step``
+(scheduling included) to its outputs.
 vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that many requests run.
 """
 
@@ -97,7 +97,7 @@ class DraftController:
     _retry_gap: dict[int, int] = field(default_factory=dict)  # request bucket -> steps between its tries
     _last: int | None = None  # the last choice that was not a try
     _trying: tuple[int, int] | None = None  # (choice, steps left) of the try under way
-    _prev_kind: str = ""  # the kind of the last step recorded ("plain", "drafting" or "")
+    _prev_kind: str = ""  # the kind of the last step recorded ("plain", "drafting c" or "")
     _run: int = 0  # steps of that kind in a row
     _measured: bool = False  # the try under way got a steady step of its kind
 
@@ -133,8 +133,8 @@ class DraftController:
         ranked = sorted(rate, key=lambda c: -rate[c])
         b = _request_bucket(n)
         loss = 1 - rate[ranked[1]] / rate[ranked[0]] if len(ranked) > 1 else 0.0
-        if (ranked[0] == 0) != (ranked[1] == 0):
-            loss *= TRY_STEPS  # a try of the other kind runs through its transition steps too
+        # a try runs through its settling steps too (and the drafts left to verify, for the other kind)
+        loss *= TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
         if len(ranked) > 1 and self._retry_due(b, loss) and (ready or ranked[1] == 0):
             return self._try(ranked[1])
         best = ranked[0]
@@ -219,7 +219,7 @@ class DraftController:
         steps only: a decode step of the same kind as the step before it."""
         if cost.seconds <= 0 or cost.tokens <= 0:
             return
-        kind = "plain" if cost.plain else "drafting" if cost.drafts and cost.drafting else ""
+        kind = "plain" if cost.plain else f"drafting {cost.drafts}" if cost.drafts and cost.drafting else ""
         self._run = self._run + 1 if kind == self._prev_kind else 1
         self._prev_kind = kind
         steady = bool(kind) and self._run > SETTLE and cost.decode_only
@@ -229,7 +229,7 @@ class DraftController:
         if not steady:
             return
         b = _request_bucket(cost.requests)
-        if self._trying is not None and (self._trying[0] == 0) == cost.plain:
+        if self._trying is not None and self._trying[0] == (0 if cost.plain else cost.drafts):
             self._measured = True
         if cost.plain:
             _update(self.other_seconds, (True, b), max(cost.seconds - cost.trunk_seconds, 0.0))
