@@ -31,6 +31,7 @@ import torch
 
 from hybridserve.cache.coordinator import KvCacheCoordinator
 from hybridserve.cache.pool_set import BlockPoolSet
+from hybridserve.cache.spec import GroupKind
 from hybridserve.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sample.rejection_sampler import RejectionSampler, Verified
@@ -81,7 +82,8 @@ class SpecDecoder:
         self.runner = runner
         self.draft_group: str = group
         spec = next(g.spec for g in coordinator.plan.groups if g.spec.name == group)
-        self.window_tokens = spec.window_tokens  # the rows before a position that its attention reads
+        # the rows before a position that its attention reads (None: every row, a history group)
+        self.window_tokens = spec.window_tokens if spec.kind is GroupKind.WINDOW else None
         self.k = num_speculative_tokens
         self.control = control or DraftController(num_speculative_tokens, adaptive=False)
         self.rejection = RejectionSampler(runner.sampler)
@@ -127,11 +129,16 @@ class SpecDecoder:
 
     def window_ready(self, req: Request) -> bool:
         """Whether drafting from ``req``'s verified end would read only written MTP window rows: the
-        layer runs its last k + 1 positions, each seeing ``window_tokens`` rows before it."""
+        layer runs its last k + 1 positions, each seeing ``window_tokens`` rows before it (a drafter that
+        sees every row never drafts again once a row was left unwritten)."""
         if not self.coordinator.has_request(req.request_id):
             return True  # not admitted yet: its prompt's forward writes the rows
         a, b = self.coordinator.unwritten(req.request_id, self.draft_group)
-        return a == b or req.num_computed_tokens - self.k - 1 - self.window_tokens >= b
+        if a == b:
+            return True
+        if self.window_tokens is None:
+            return False
+        return req.num_computed_tokens - self.k - 1 - self.window_tokens >= b
 
     def leave_windows(self, scheduled: list[ScheduledRequest]) -> None:
         """A plain step: the MTP window rows of its positions stay unwritten."""

@@ -85,18 +85,18 @@ def _recorded_drafts(log: Drafted) -> Iterator[None]:
         RejectionSampler.draft = real  # type: ignore[method-assign]
 
 
+def _llm(folder: Path, speculative: bool = True, **kwargs: int) -> LLM:
+    """A small eager engine; speculative: MTP with k = 2, adaptive (the default config)."""
+    spec = {"speculative_config": mtp(2, adaptive=True)} if speculative else {}
+    return LLM(
+        str(folder), block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, enforce_eager=True, **spec, **kwargs
+    )
+
+
 def _run(folder: Path, prompts: list[list[int]], poison: bool) -> tuple[list[list[int]], Drafted, LLM]:
     """Two waves: the prompts, then each prompt with a part of its output (prefix hits on the first wave's
     blocks, near and past the window rows the plain steps left unwritten)."""
-    llm = LLM(
-        str(folder),
-        block_tokens=8,
-        kv_cache_memory=KV,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        speculative_config=mtp(2, adaptive=True),
-        enforce_eager=True,
-    )
+    llm = _llm(folder, max_num_batched_tokens=64)
     _force_plain_steps(llm.engine)
     if poison:
         _poison_unwritten(llm.engine)
@@ -127,7 +127,7 @@ def test_unwritten_window_rows_are_never_read_and_drafting_resumes(
     mtp_checkpoint: Callable[[str], Path], prompts: list[list[int]]
 ) -> None:
     folder = mtp_checkpoint("mixed")
-    plain_llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, enforce_eager=True)
+    plain_llm = _llm(folder, speculative=False)
     first = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, PARAMS)]
     again = _second_wave(prompts, first)
     expected = first + [o.outputs[0].token_ids for o in plain_llm.generate(again, PARAMS)]
@@ -140,7 +140,7 @@ def test_unwritten_window_rows_are_never_read_and_drafting_resumes(
     snap = llm.engine.snapshot()
     assert snap.spec_plain_steps >= 2 * (len(PLAIN_STEPS) - 1)  # both waves
     assert snap.prefix_hit_tokens > 0  # the trunk's blocks still serve the second wave
-    window = llm.engine.spec.window_tokens if llm.engine.spec is not None else 0
+    window = (llm.engine.spec.window_tokens or 0) if llm.engine.spec is not None else 0
     resumed = {rid for rid, pos, _ in clean if pos > len(prompts[0]) + len(PLAIN_STEPS) + window}
     assert resumed, "drafting never resumed after the plain steps"
     llm.engine.pools.check_integrity()
@@ -165,18 +165,33 @@ def test_load_control_times_both_kinds_of_step_on_real_steps(
     """Unforced, the controller tries drafting and a plain step, learns the parts of each from the
     engine's own steps, and the tokens stay the plain engine's."""
     folder = mtp_checkpoint("mixed")
-    plain_llm = LLM(str(folder), block_tokens=8, kv_cache_memory=KV, max_num_seqs=4, enforce_eager=True)
-    expected = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, PARAMS)]
-    llm = LLM(
-        str(folder),
-        block_tokens=8,
-        kv_cache_memory=KV,
-        max_num_seqs=4,
-        speculative_config=mtp(2, adaptive=True),
-        enforce_eager=True,
-    )
+    expected = [o.outputs[0].token_ids for o in _llm(folder, speculative=False).generate(prompts, PARAMS)]
+    llm = _llm(folder)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
     assert llm.engine.spec is not None
     control = llm.engine.spec.control
     assert control.draft_seconds and {plain for plain, _ in control.other_seconds} == {True, False}
     assert llm.engine.snapshot().spec_plain_steps > 0
+
+
+def test_a_drafter_that_sees_every_row_never_drafts_after_a_plain_step(
+    mtp_checkpoint: Callable[[str], Path], prompts: list[list[int]]
+) -> None:
+    """A draft group of the history kind (no window) would read the unwritten rows at every later draft."""
+    folder = mtp_checkpoint("mixed")
+    expected = [o.outputs[0].token_ids for o in _llm(folder, speculative=False).generate(prompts, PARAMS)]
+    llm = _llm(folder)
+    core = llm.engine
+    assert core.spec is not None
+    _force_plain_steps(core)
+    core.spec.window_tokens = None
+    steps_at_drafts: list[int] = []
+    real = core.spec._sample_drafts
+
+    def sample(*args: object) -> None:
+        steps_at_drafts.append(core.stats.steps)
+        real(*args)  # type: ignore[arg-type]
+
+    core.spec._sample_drafts = sample  # type: ignore[method-assign]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    assert steps_at_drafts and max(steps_at_drafts) < PLAIN_STEPS.start
