@@ -130,12 +130,12 @@ class DraftController:
         if not self.draft_seconds:
             return 0
         rate = self._rates(n, ready or n)  # none ready: whether rebuilding the windows would pay
-        ranked = sorted(rate, key=lambda c: -rate[c])
+        ranked = sorted(rate, key=lambda c: -rate[c])  # k >= 1: at least plain and drafting 1
         b = _request_bucket(n)
-        loss = 1 - rate[ranked[1]] / rate[ranked[0]] if len(ranked) > 1 else 0.0
+        loss = 1 - rate[ranked[1]] / rate[ranked[0]]
         # a try runs through its settling steps too (and the drafts left to verify, for the other kind)
         loss *= TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
-        if len(ranked) > 1 and self._retry_due(b, loss) and (ready or ranked[1] == 0):
+        if self._retry_due(b, loss) and (ready or ranked[1] == 0):
             return self._try(ranked[1])
         best = ranked[0]
         if self._last is not None and (best == 0) != (self._last == 0):
@@ -148,9 +148,8 @@ class DraftController:
         return best
 
     def _try(self, c: int) -> int:
-        """A try lasts until a steady step of its kind was timed (the step after a change of kind is a
-        transition: it verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at
-        most."""
+        """A try lasts until a steady step of its kind was timed (after SETTLE steps of it: the first
+        verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at most."""
         self.exploring, self._trying, self._measured = True, (c, TRY_STEPS - 1), False
         return c
 
