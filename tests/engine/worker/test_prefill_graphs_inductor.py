@@ -70,13 +70,19 @@ def test_both_compiled_paths_on_odd_sizes(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str], Path]) -> None:
     """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step, over the cache
     arena (the default layout: its rows reach the graph as ``FlatRows``); on the 2-layer model (a CI
-    minute)."""
+    minute). Every step the graph supports runs it, short prompts included: its guards refuse none (they
+    did while the trace kept Python floats as symbols)."""
     prompts = graph_prompts((17, 30, 9))
-    plain = graph_llm(tiny_checkpoint("yarn"), compiled=False).generate(prompts, PARAMS, use_tqdm=False)
+    plain_llm = graph_llm(tiny_checkpoint("yarn"), compiled=False)
+    plain = plain_llm.generate(prompts, PARAMS, use_tqdm=False)
     llm = graph_llm(tiny_checkpoint("yarn"), compiled=True, cache_layout="arena")
     assert llm.config.resolved_cache_layout == "arena"
     compiled = llm.generate(prompts, PARAMS, use_tqdm=False)
     runner = prefill_runner(llm)
     assert runner.enabled and runner.warmed and runner.compile_seconds > 0
-    assert runner.steps["compiled"] >= 4
+    assert runner.steps["compiled"] >= 4 and runner.steps["eager"] == 0
     assert_close(plain, compiled)
+    short = graph_prompts((7,))  # a step of 7 tokens alone
+    expected = plain_llm.generate(short, PARAMS, use_tqdm=False)
+    assert_close(expected, llm.generate(short, PARAMS, use_tqdm=False))
+    assert runner.steps["eager"] == 0, "the graph's guards refused a step"
