@@ -181,12 +181,13 @@ class KvCacheCoordinator:
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget tokens from ``num_tokens`` on (speculative rollback); frees blocks past the end."""
         req = self._requests[req_id]
-        req.quiet = None
         keep = -(-num_tokens // self.block_tokens)
-        for name, table in req.tables.items():
-            self.pools[name].free(table[keep:][::-1])
-            del table[keep:]
-            req.recycled[name] = min(req.recycled.get(name, 0), keep)
+        if any(len(table) > keep for table in req.tables.values()):
+            req.quiet = None  # (a table that keeps its blocks keeps ``allocate``'s quiet bounds true)
+            for name, table in req.tables.items():
+                self.pools[name].free(table[keep:][::-1])
+                del table[keep:]
+                req.recycled[name] = min(req.recycled.get(name, 0), keep)
         req.hashes = req.hashes[: num_tokens // self.block_tokens]
         req.num_published = min(req.num_published, len(req.hashes))
         for name, (a, b) in list(req.unwritten.items()):

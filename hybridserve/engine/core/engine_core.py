@@ -390,7 +390,8 @@ class EngineCore:
             output, reason = self._append_tokens(req, next(results).results)
             outputs.append(output)
             req.num_computed_tokens = req.num_tokens - 1  # the last token is not computed
-            self.coordinator.truncate(req.request_id, req.num_computed_tokens)
+            if s.num_spec:  # without drafts the step allocated no further than its one token
+                self.coordinator.truncate(req.request_id, req.num_computed_tokens)
             if reason is not None:
                 finished.append((req, reason, output.stop_reason))
         return outputs, finished

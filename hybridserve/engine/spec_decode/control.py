@@ -123,18 +123,20 @@ class DraftController:
                 self.exploring = True
                 return c
             self._trying = None
-        if ready and (self.k, _request_bucket(ready)) not in self.draft_seconds:
+        if ready and not self.draft_seconds:
             return self._try(self.k)
-        if (True, _request_bucket(n)) not in self.other_seconds:
+        if not any(plain for plain, _ in self.other_seconds):
             return self._try(0)
         if not self.draft_seconds:
             return 0
-        rate = self._rates(n, ready or n)  # none ready: whether rebuilding the windows would pay
+        seconds = self._seconds(n, ready or n)  # none ready: whether rebuilding the windows would pay
+        rate = {c: self._tokens(c, n, ready or n) / s for c, s in seconds.items()}
         ranked = sorted(rate, key=lambda c: -rate[c])  # k >= 1: at least plain and drafting 1
         b = _request_bucket(n)
-        loss = 1 - rate[ranked[1]] / rate[ranked[0]]
-        # a try runs through its settling steps too (and the drafts left to verify, for the other kind)
-        loss *= TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
+        # A try's cost in steps of the best choice: its share of speed lost, over its steps (its settling
+        # steps too, and the drafts left to verify for the other kind), each as long as a step of its own.
+        steps = TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
+        loss = (1 - rate[ranked[1]] / rate[ranked[0]]) * steps * seconds[ranked[1]] / seconds[ranked[0]]
         if self._retry_due(b, loss) and (ready or ranked[1] == 0):
             return self._try(ranked[1])
         best = ranked[0]
@@ -153,12 +155,14 @@ class DraftController:
         self.exploring, self._trying, self._measured = True, (c, TRY_STEPS - 1), False
         return c
 
-    def _rates(self, n: int, ready: int) -> dict[int, float]:
-        """Tokens per second of each choice, n requests running and ``ready`` of them drafting."""
-        rate = {0: n / self.estimate(0, n)}
-        for c in range(1, self.k + 1):
-            rate[c] = (n + ready * (self.expected_tokens(c) - 1)) / self.estimate(c, n, ready)
-        return rate
+    def _seconds(self, n: int, ready: int) -> dict[int, float]:
+        """The expected seconds of a step of each choice, n requests running and ``ready`` of them
+        drafting."""
+        return {c: self.estimate(c, n, ready) for c in range(self.k + 1)}
+
+    def _tokens(self, c: int, n: int, ready: int) -> float:
+        """The tokens a step of choice c yields."""
+        return n + ready * (self.expected_tokens(c) - 1) if c else n
 
     def estimate(self, c: int, n: int, ready: int | None = None) -> float:
         """The expected seconds of a step of n requests, ``ready`` (default all) of them drafting c each

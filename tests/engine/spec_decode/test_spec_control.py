@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridserve.engine.spec_decode.control import (
     FIRST_RETRY,
+    RETRY_BUDGET,
     SETTLE,
     SWITCH_MARGIN,
     DraftController,
@@ -137,6 +138,22 @@ def test_a_clear_loser_is_tried_seldom() -> None:
         picks.append(control.choose(16))
         control.record_step(steps[picks[-1]])
     assert picks.count(0) >= 0.97 * len(picks)
+
+
+def test_tries_cost_about_the_budget_in_time_where_drafting_steps_are_long() -> None:
+    """As on a CPU at 16 requests: a drafting step takes 2-3.5 plain steps' time. The tries' share of the
+    engine's time, not of its steps, stays within about RETRY_BUDGET."""
+    control = DraftController(2)
+    steps = {0: _plain(16, 4.5), 1: _step(16, 1, 1, 8, 2.5), 2: _step(16, 2, 2, 12, 5)}
+    _teach(control, list(steps.values()), 0.85)
+    plain_rate = 16 / steps[0].seconds
+    spent = lost = 0.0
+    for _ in range(1000):
+        c = control.choose(16)
+        control.record_step(steps[c])
+        spent += steps[c].seconds
+        lost += steps[c].seconds - 16 * control.expected_tokens(c) / plain_rate
+    assert lost <= 1.5 * RETRY_BUDGET * spent
 
 
 def test_tries_come_often_again_once_the_choice_changes_kind() -> None:
