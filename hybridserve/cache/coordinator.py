@@ -17,6 +17,8 @@ class PrefixHit:
 
     num_tokens: int = 0
     blocks: dict[str, list[int]] = field(default_factory=dict)
+    # per rebuildable group, the span [a, num_tokens) of rows it found no block for (null entries)
+    unwritten: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +59,9 @@ class KvCacheCoordinator:
         self.enable_prefix_caching = enable_prefix_caching
         self.lookback = lookback
         self.block_tokens = plan.block_tokens
+        # Window groups whose rows a request may hold unwritten and rebuilds as it goes (a drafter's
+        # window): a prefix hit takes the blocks of theirs it finds and starts the rest unwritten.
+        self.rebuildable: frozenset[str] = frozenset()
         self._requests: dict[str, _RequestBlocks] = {}
 
     # ---- geometry -------------------------------------------------------------------------
@@ -212,7 +217,8 @@ class KvCacheCoordinator:
         """The longest cached prefix of ``token_ids`` that can be resumed (at least one token left).
 
         A hit at L needs every history block covering [0, L) and, for each window group, the blocks
-        covering the context before L that the next token can still see.
+        covering the context before L that the next token can still see; of a ``rebuildable`` group,
+        those it finds (the rest start as unwritten rows).
         """
         if not self.enable_prefix_caching:
             return PrefixHit()
@@ -241,15 +247,19 @@ class KvCacheCoordinator:
         end = n * self.block_tokens
         hit = PrefixHit(num_tokens=end)
         for g in self.plan.groups:
-            pool = self.pools[g.spec.name]
+            name = g.spec.name
+            pool = self.pools[name]
             first = self._first_needed(g, end)
             table = [NULL_BLOCK] * first
             for j in range(first, n):
                 block = pool.lookup(hashes[j])
                 if block is None:
-                    return None
+                    if name not in self.rebuildable:
+                        return None
+                    hit.unwritten.setdefault(name, (j * self.block_tokens, end))
+                    block = NULL_BLOCK
                 table.append(block)
-            hit.blocks[g.spec.name] = table
+            hit.blocks[name] = table
         return hit
 
     def admit_prefix(self, req_id: str, hit: PrefixHit, token_ids: list[int]) -> None:
@@ -265,6 +275,7 @@ class KvCacheCoordinator:
         n = hit.num_tokens // self.block_tokens
         req.hashes = block_hashes(token_ids[: hit.num_tokens], self.block_tokens, salt=self.hash_salt)
         req.num_published = n
+        req.unwritten = dict(hit.unwritten)
         self._requests[req_id] = req
 
     def publish(self, req_id: str, token_ids: list[int], num_computed: int) -> None:

@@ -95,6 +95,11 @@ class EngineCore:
             self.device,
         )
         self._early: list[EngineCoreOutput] = []  # outputs made between steps (imported first tokens)
+        if self.spec is not None and self.spec.window_tokens is not None and self.role is None:
+            # A prefix hit need not find the MTP window's blocks (plain steps leave them unwritten): the
+            # request drafts once it rewrote a window's worth. Not where a request's rows travel to
+            # another worker (disaggregation), which would not know they are unwritten.
+            self.coordinator.rebuildable = frozenset({self.spec.draft_group})
 
     def _build_runner(self) -> ModelRunner:
         """The worker, with what its compile policy (engine/worker/compile_policy.py) chose. With

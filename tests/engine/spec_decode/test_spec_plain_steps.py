@@ -139,7 +139,10 @@ def test_unwritten_window_rows_are_never_read_and_drafting_resumes(
 
     snap = llm.engine.snapshot()
     assert snap.spec_plain_steps >= 2 * (len(PLAIN_STEPS) - 1)  # both waves
-    assert snap.prefix_hit_tokens > 0  # the trunk's blocks still serve the second wave
+    # every second-wave prompt resumes from its last whole block: the trunk's blocks serve it, and the
+    # MTP window's rows the plain steps left unwritten start unwritten (rewritten before it drafts)
+    block = llm.engine.coordinator.block_tokens
+    assert snap.prefix_hit_tokens == sum((len(p) - 1) // block * block for p in again)
     window = (llm.engine.spec.window_tokens or 0) if llm.engine.spec is not None else 0
     resumed = {rid for rid, pos, _ in clean if pos > len(prompts[0]) + len(PLAIN_STEPS) + window}
     assert resumed, "drafting never resumed after the plain steps"
