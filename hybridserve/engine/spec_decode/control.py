@@ -18,14 +18,16 @@ A step's time has three parts, each learned from the steps that ran it (``StepCo
 
 With n requests of which r draft c tokens each, a step verifies n + r c tokens and yields n + r (E(c) - 1)
 of them, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i: its first verifications are
-averaged with the prior, later ones move an EMA); a plain step yields n. The controller picks the choice
-with the most tokens per second. Parts never measured are scaled from the nearest measured ones. At each
-octave of n, drafting k (once some request can) and a plain step are each tried first; then the runner-up
-is tried again FIRST_RETRY steps later, and after twice as many steps each time (MAX_RETRY_GAP at most;
-back to FIRST_RETRY once the choice changes kind), but never so often that its tries cost more than about
-RETRY_BUDGET of the speed (a runner-up 30% slower waits 90 steps), so estimates follow the load while a
-clear loser costs little. A try lasts until a steady step of its kind was timed: only decode steps teach
-the parts, and not the first SETTLE after a change of kind (plain, or drafting c; the first verifies the
+averaged with the prior, the shallower position's acceptance until then, later ones move an EMA); a plain
+step yields n. The controller picks the choice with the most tokens per second. Parts never measured
+(a load not seen yet) are scaled from the nearest measured ones. Drafting k (once some request can) and a
+plain step are each tried first; then the runner-up is tried again FIRST_RETRY steps later, and after
+twice as many steps each time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the choice changes kind),
+but never so often that its tries cost more than about RETRY_BUDGET of the engine's time (a try's steps
+counted at their own length: a runner-up whose steps are as long and 30% slower waits 90 steps), so
+estimates follow the load while a clear loser costs little. A try lasts until a steady step of its kind
+was timed: only decode steps teach the parts (a step drafting none only its trunk), and not the first
+SETTLE after a change of kind (plain, drafting c, or none; the first verifies the
 last step's drafts, or has none to verify; on a CPU the trunk ran 50% then 25% slower for the two plain
 steps after drafting, on caches the MTP work had filled), nor a prompt's chunk (it writes many window rows
 and costs what its prompt costs). A plain step that is a try writes the window rows after it is timed, so
@@ -212,10 +214,16 @@ class DraftController:
     def expected_tokens(self, c: int) -> float:
         """Tokens one request gains from a step verifying ``c`` drafts."""
         total, reach = 1.0, 1.0
-        for a in self.acceptance[:c]:
-            reach *= a
+        for i in range(c):
+            reach *= self._acceptance(i)
             total += reach
         return total
+
+    def _acceptance(self, i: int) -> float:
+        """Position i's acceptance; until one of its drafts is verified, the shallower position's."""
+        while i and not self.verified[i]:
+            i -= 1
+        return self.acceptance[i]
 
     def record_step(self, cost: StepCost) -> None:
         """A step's timed parts (see the module docstring). The MTP and rest parts are learned from steady
@@ -225,12 +233,11 @@ class DraftController:
         kind = "plain" if cost.plain else f"drafting {cost.drafts}" if cost.drafts and cost.drafting else ""
         self._run = self._run + 1 if kind == self._prev_kind else 1
         self._prev_kind = kind
-        steady = bool(kind) and self._run > SETTLE and cost.decode_only
-        if not steady and kind:
-            return  # settling: its trunk too ran on caches the other kind filled
+        if self._run <= SETTLE or not cost.decode_only:
+            return  # settling: its trunk too ran on caches the other kind filled (or a prompt's chunk)
         _update(self.trunk_seconds, _token_bucket(cost.tokens), cost.trunk_seconds)
-        if not steady:
-            return
+        if not kind:
+            return  # drafts none but may verify some: only its trunk is a step part of a choice
         b = _request_bucket(cost.requests)
         if self._trying is not None and self._trying[0] == (0 if cost.plain else cost.drafts):
             self._measured = True
@@ -242,9 +249,13 @@ class DraftController:
             _update(self.other_seconds, (False, b), max(rest, 0.0))
 
     def record_verified(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verification: drafts 0..num_accepted-1 accepted, the next one (if any) not."""
+        """One request's verification: drafts 0..num_accepted-1 accepted, the next one (if any) not. A
+        position never verified before starts from the one before it (a deeper draft is assumed as good
+        as the shallower one until seen otherwise)."""
         for i in range(min(num_accepted + 1, num_drafts)):
             hit = 1.0 if i < num_accepted else 0.0
+            if i and not self.verified[i]:
+                self.acceptance[i] = self._acceptance(i)
             self.verified[i] += 1
             weight = max(1 / (self.verified[i] + PRIOR_WEIGHT), EMA / 4)
             self.acceptance[i] += weight * (hit - self.acceptance[i])

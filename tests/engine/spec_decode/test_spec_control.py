@@ -117,7 +117,7 @@ def test_disable_by_batch_size_and_fixed_k() -> None:
 
 def test_tries_a_close_runner_up_soon_then_ever_less_often() -> None:
     control = DraftController(2)
-    steps = {0: _plain(1, 10), 1: _step(1, 1, 1, 10.5, 0.5), 2: _step(1, 2, 2, 12.9, 1)}  # 1: 1% slower
+    steps = {0: _plain(1, 10), 1: _step(1, 1, 1, 10.5, 0.5), 2: _step(1, 2, 2, 13.5, 1)}  # 1: 1% slower
     _teach(control, list(steps.values()), 0.8)
     picks = []
     for _ in range(64):
@@ -166,3 +166,26 @@ def test_tries_come_often_again_once_the_choice_changes_kind() -> None:
     _teach(control, [_plain(1, 2)], 0.8)  # plain steps got much cheaper
     picks = [control.choose(1) for _ in range(3)]
     assert picks[-1] == 0 and control._retry_gap[1] == FIRST_RETRY
+
+
+def test_a_deeper_draft_is_rated_as_the_shallower_one_until_verified() -> None:
+    control = DraftController(2)
+    for _ in range(20):
+        control.record_verified(1, 1)
+    a = control.acceptance[0]
+    assert a > 0.9 and control.expected_tokens(2) == 1 + a + a * a
+    control.record_verified(2, 1)  # position 2's first verification: rejected
+    assert control.verified[1] == 1 and control.acceptance[1] < a
+
+
+def test_a_step_that_only_verifies_after_a_change_of_kind_does_not_teach_the_trunk() -> None:
+    """The step after drafting stops verifies the last drafts on caches the MTP work filled: not steady."""
+    control = DraftController(2)
+    for _ in range(SETTLE + 1):
+        control.record_step(_plain(1, 2))
+    verifying = StepCost(9 * MS, 8 * MS, 0.0, 3, 1, 0)  # drafts none, verifies 2: 3 tokens
+    control.record_step(verifying)
+    assert set(control.trunk_seconds) == {0}  # only the plain steps' one-token bucket
+    for _ in range(SETTLE):
+        control.record_step(verifying)
+    assert control.trunk_seconds[6] == 8 * MS  # steady: its trunk is a part worth knowing
