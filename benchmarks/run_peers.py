@@ -39,6 +39,7 @@ import httpx
 
 from hybridserve.bench.metrics import BenchSummary
 from hybridserve.bench.plot import plot_sweep
+from hybridserve.bench.server_process import parse_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -110,9 +111,12 @@ def llama_cpp_gguf(name: str, checkpoint: Path) -> Path:
     return Path(str(checkpoint) + LLAMA_CPP_GGUF[name])
 
 
-def _wait_ready(url: str, model: str, server: subprocess.Popen, log: Path, timeout: float = 3600) -> None:
-    """Until a one-token chat answers 200 (a compiled engine compiles its steps first, cold for up to ~15
-    minutes on a slow CPU); raise at once if the server exits."""
+def _wait_ready(
+    url: str, model: str, server: subprocess.Popen, log: Path, full_speed: bool, timeout: float = 3600
+) -> None:
+    """Until a one-token chat answers 200 and, with ``full_speed`` (hybridserve, which answers at once and
+    compiles its steps in the background, cold for up to ~15 minutes on a slow CPU), until ``/metrics``
+    reports ``hybridserve_full_speed``; raise at once if the server exits."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -120,12 +124,20 @@ def _wait_ready(url: str, model: str, server: subprocess.Popen, log: Path, timeo
             tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
             raise RuntimeError(f"the server exited with {server.returncode} while starting ({log}):\n{tail}")
         try:
-            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200:
+            if _answers(url, body) and (not full_speed or _at_full_speed(url)):
                 return
         except httpx.TransportError:
             pass
         time.sleep(1)
     raise RuntimeError(f"{url} did not answer")
+
+
+def _answers(url: str, body: dict) -> bool:
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def _at_full_speed(url: str) -> bool:
+    return bool(parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text).get("hybridserve_full_speed"))
 
 
 def _bench(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, c: int, result: Path) -> None:
@@ -172,7 +184,7 @@ def run_engine(e: Engine, url: str, checkpoint: Path, args: argparse.Namespace, 
         )
     print(f"server log: {log}", flush=True)
     try:
-        _wait_ready(url, e.model_name, server, log)
+        _wait_ready(url, e.model_name, server, log, e.name.startswith("hybridserve"))
         for c in _levels(args):
             _bench(e, url, checkpoint, args, c, out / f"{e.name}-c{c}.json")
             levels.append(json.loads((out / f"{e.name}-c{c}.json").read_text())[0])
