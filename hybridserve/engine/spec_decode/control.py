@@ -126,9 +126,9 @@ class DraftController:
                 return c
             self._trying = None
         if ready and not self.draft_seconds:
-            return self._try(self.k)
+            return self._try(self.k, n)
         if not any(plain for plain, _ in self.other_seconds):
-            return self._try(0)
+            return self._try(0, n)
         if not self.draft_seconds:
             return 0
         seconds = self._seconds(n, ready or n)  # none ready: whether rebuilding the windows would pay
@@ -140,7 +140,7 @@ class DraftController:
         steps = TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
         loss = (1 - rate[ranked[1]] / rate[ranked[0]]) * steps * seconds[ranked[1]] / seconds[ranked[0]]
         if self._retry_due(b, loss) and (ready or ranked[1] == 0):
-            return self._try(ranked[1])
+            return self._try(ranked[1], n)
         best = ranked[0]
         if self._last is not None and (best == 0) != (self._last == 0):
             stay = max((c for c in rate if (c == 0) == (self._last == 0)), key=lambda c: rate[c])
@@ -151,10 +151,12 @@ class DraftController:
         self._last = best
         return best
 
-    def _try(self, c: int) -> int:
+    def _try(self, c: int, n: int) -> int:
         """A try lasts until a steady step of its kind was timed (after SETTLE steps of it: the first
-        verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at most."""
+        verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at most. The next
+        retry at this load counts its steps from here."""
         self.exploring, self._trying, self._measured = True, (c, TRY_STEPS - 1), False
+        self._retry_from[_request_bucket(n)] = self._steps
         return c
 
     def _seconds(self, n: int, ready: int) -> dict[int, float]:
@@ -182,7 +184,7 @@ class DraftController:
         last = self._retry_from.setdefault(bucket, self._steps)
         if self._steps - last < max(gap, loss / RETRY_BUDGET):
             return False
-        self._retry_gap[bucket], self._retry_from[bucket] = min(2 * gap, MAX_RETRY_GAP), self._steps
+        self._retry_gap[bucket] = min(2 * gap, MAX_RETRY_GAP)
         return True
 
     def _trunk(self, tokens: int) -> float:

@@ -7,6 +7,7 @@ from hybridserve.engine.spec_decode.control import (
     RETRY_BUDGET,
     SETTLE,
     SWITCH_MARGIN,
+    TRY_STEPS,
     DraftController,
     StepCost,
 )
@@ -189,3 +190,20 @@ def test_a_step_that_only_verifies_after_a_change_of_kind_does_not_teach_the_tru
     for _ in range(SETTLE):
         control.record_step(verifying)
     assert control.trunk_seconds[6] == 8 * MS  # steady: its trunk is a part worth knowing
+
+
+def test_a_first_try_starts_the_retry_clock() -> None:
+    """As at c = 1 on a CPU: plain steps lose by ~20%. Once both kinds were tried first, the runner-up
+    waits for its budget like any retry: not a try of plain every few steps."""
+    control = DraftController(2)
+    steps = {0: _plain(1, 1.8, 0.07), 1: _step(1, 1, 1, 1.9, 0.8, 0.1), 2: _step(1, 2, 2, 2.2, 1.6, 0.1)}
+    picks = []
+    for _ in range(120):
+        c = control.choose(1)
+        picks.append(c)
+        control.record_step(steps[c])
+        if c:
+            control.record_verified(c, c)
+    first_plain_try_done = next(i for i in range(1, len(picks)) if picks[i - 1] == 0 and picks[i] != 0)
+    later = picks[first_plain_try_done:]
+    assert later.count(0) <= TRY_STEPS, later
