@@ -187,8 +187,8 @@ class KvCacheCoordinator:
         """Forget tokens from ``num_tokens`` on (speculative rollback); frees blocks past the end."""
         req = self._requests[req_id]
         keep = -(-num_tokens // self.block_tokens)
-        if any(len(table) > keep for table in req.tables.values()):
-            req.quiet = None  # (a table that keeps its blocks keeps ``allocate``'s quiet bounds true)
+        if any(len(table) > keep for table in req.tables.values()):  # else ``quiet`` stays true
+            req.quiet = None
             for name, table in req.tables.items():
                 self.pools[name].free(table[keep:][::-1])
                 del table[keep:]

@@ -24,7 +24,7 @@ step yields n. The controller picks the choice with the most tokens per second. 
 plain step are each tried first; then the runner-up is tried again FIRST_RETRY steps later, and after
 twice as many steps each time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the choice changes kind),
 but never so often that its tries cost more than about RETRY_BUDGET of the engine's time (a try's steps
-counted at their own length: a runner-up whose steps are as long and 30% slower waits 90 steps), so
+counted at their own length: a runner-up of the other kind, 30% slower, its steps as long, waits 90), so
 estimates follow the load while a clear loser costs little. A try lasts until a steady step of its kind
 was timed: only decode steps teach the parts (a step drafting none only its trunk), and not the first
 SETTLE after a change of kind (plain, drafting c, or none; the first verifies the
