@@ -192,9 +192,9 @@ def test_a_step_that_only_verifies_after_a_change_of_kind_does_not_teach_the_tru
     assert control.trunk_seconds[6] == 8 * MS  # steady: its trunk is a part worth knowing
 
 
-def test_a_first_try_starts_the_retry_clock() -> None:
-    """As at c = 1 on a CPU: plain steps lose by ~20%. Once both kinds were tried first, the runner-up
-    waits for its budget like any retry: not a try of plain every few steps."""
+def test_a_losing_plain_step_is_retried_within_its_budget_at_one_request() -> None:
+    """As at c = 1 on a CPU: plain steps lose by ~20%. Once both kinds were tried first, the plain
+    runner-up is tried again at most once in the next hundred-odd steps, not every few steps."""
     control = DraftController(2)
     steps = {0: _plain(1, 1.8, 0.07), 1: _step(1, 1, 1, 1.9, 0.8, 0.1), 2: _step(1, 2, 2, 2.2, 1.6, 0.1)}
     picks = []
