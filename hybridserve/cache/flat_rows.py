@@ -34,8 +34,11 @@ class FlatRows:
         return self.flat.dtype
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
-        """``rows[index]`` for an integer ``index`` of any shape -> ``[*index.shape, width]``."""
-        return self.flat[self._elements(index)]
+        """``rows[index]`` for an integer ``index`` of any shape -> ``[*index.shape, width]``: a row
+        gather from a strided view, which inductor copies a row at a time, vectorised (an element
+        gather, as ``put`` needs, made a batch-16 decode step of the 72M checkpoint 15% slower)."""
+        rows = self.flat.as_strided((self.rows, self.width), (self.stride, 1), self.offset)
+        return rows[index]
 
     def put(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """``rows[slots] = values`` (``values`` [len(slots), width])."""
