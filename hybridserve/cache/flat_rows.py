@@ -37,8 +37,12 @@ class FlatRows:
         """``rows[index]`` for an integer ``index`` of any shape -> ``[*index.shape, width]``: a row
         gather from a strided view, which inductor copies a row at a time, vectorised (an element
         gather, as ``put`` needs, made a batch-16 decode step of the 72M checkpoint 15% slower)."""
-        rows = self.flat.as_strided((self.rows, self.width), (self.stride, 1), self.offset)
-        return rows[index]
+        return self.strided()[index]
+
+    def strided(self) -> torch.Tensor:
+        """The rows as a strided view ``[rows, width]`` of the flat tensor (to read, never to write: a
+        compiled step would copy the whole flat tensor to write through a view)."""
+        return self.flat.as_strided((self.rows, self.width), (self.stride, 1), self.offset)
 
     def put(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """``rows[slots] = values`` (``values`` [len(slots), width])."""

@@ -30,6 +30,8 @@ class RowStore(Protocol):
 
     def put(self, slots: torch.Tensor, values: torch.Tensor) -> None: ...
 
+    def strided(self) -> torch.Tensor: ...
+
 
 Rows = torch.Tensor | RowStore
 

@@ -18,12 +18,13 @@ from hybridserve.cache.spec import CacheGroupSpec, GroupKind, RowField
 from hybridserve.layers.attention import sink_attention
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch
 from hybridserve.layers.fp8_rows import fp8_widths, read_rows, write_rows
-from hybridserve.layers.gather import gather_rows, put_rows
+from hybridserve.layers.gather import Rows, gather_rows, put_rows
 from hybridserve.layers.hyper_connection import HyperConnection, HyperHead, hyper_residual
 from hybridserve.layers.moe import MoE, prepare_all_experts
 from hybridserve.layers.norm import RMSNorm, keep_fp32, unweighted_rms_norm
 from hybridserve.layers.quantized_linear import dense_weight
 from hybridserve.layers.rope import Rotary, apply_rope
+from hybridserve.layers.window_pool import pool_windows, pooled_rows
 from hybridserve.models.attention_meta import (
     CSA_ROWS,
     CSA_STATE,
@@ -33,6 +34,7 @@ from hybridserve.models.attention_meta import (
     WINDOW_KV,
     AttentionMeta,
     CompressedMeta,
+    NewRows,
     QueryBlocks,
     build_meta,
     decode_meta,
@@ -73,16 +75,7 @@ class Compressor(nn.Module):
 
     def compress(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``kv``/``gate`` [Nw, span, width] gathered rows -> pooled rows [Nw, dim] (before rope)."""
-        m, d = self.rate, self.dim
-        if self.overlap:
-            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
-            gate = torch.cat([gate[:, :m, :d] + self.ape[:, :d], gate[:, m:, d:] + self.ape[:, d:]], dim=1)
-        else:
-            gate = gate + self.ape
-        kv = kv.masked_fill(~valid[..., None], 0)
-        gate = gate.masked_fill(~valid[..., None], float("-inf"))
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        return self.norm((kv * weights).sum(dim=1))
+        return pooled_rows(kv, gate, valid, self.ape, self.norm.weight, self.norm.eps)
 
 
 class Indexer(nn.Module):
@@ -251,9 +244,24 @@ class Attention(nn.Module):
         new = cm.new_rows
         if new is None:
             return
-        src = new.src_slots
-        pooled = comp.compress(gather_rows(kv_rows, src), gather_rows(gate_rows, src), new.src_valid)
-        write_rows(cache, (rows, self.key, fields[2]), new.slots, apply_rope(pooled, *new.rope))
+        write_rows(cache, (rows, self.key, fields[2]), new.slots, _pooled(comp, kv_rows, gate_rows, new))
+
+
+def _pooled(comp: Compressor, kv_rows: Rows, gate_rows: Rows, new: NewRows) -> torch.Tensor:
+    """The roped rows of the windows ``new`` completes. A compiled CPU decode step pools an HCA window only
+    when some request completes one (``window_pool``); a CSA window completes every few tokens."""
+    completes = None if comp.overlap else new.completes
+    if completes is not None and torch.compiler.is_compiling() and new.slots.device.type == "cpu":
+        kv, gate = _strided(kv_rows), _strided(gate_rows)
+        src, valid, (cos, sin), norm = new.src_slots, new.src_valid, new.rope, comp.norm
+        return pool_windows(kv, gate, src, valid, completes, comp.ape, norm.weight, norm.eps, cos, sin)
+    src = new.src_slots
+    pooled = comp.compress(gather_rows(kv_rows, src), gather_rows(gate_rows, src), new.src_valid)
+    return apply_rope(pooled, *new.rope)
+
+
+def _strided(rows: Rows) -> torch.Tensor:
+    return rows if isinstance(rows, torch.Tensor) else rows.strided()
 
 
 class DecoderLayer(nn.Module):
