@@ -653,6 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows of the op tables")
     p.add_argument("--label", default="run", help="name of this run (e.g. before, after)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    p.add_argument("--cache-layout", default=None, help="arena or fixed (default: the engine's)")
     p.add_argument(
         "--compile-decode",
         action="store_true",
@@ -694,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.warmup + MAX_TRIES * sum(ph.steps for ph in phases[1:]) + 64
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, max_num_seqs=max(args.batch, 1), compile_decode=args.compile_decode)
+    layout = {} if args.cache_layout is None else {"cache_layout": args.cache_layout}
+    llm = LLM(model=model, max_num_seqs=max(args.batch, 1), compile_decode=args.compile_decode, **layout)
     load_s = time.perf_counter() - t0
     targets = COMPILED_TARGETS if args.compile_decode else TARGETS
     compile_s = _compile_first(llm, args, vocab, max_tokens) if args.compile_decode else 0.0
