@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.layers.norm import rms_norm
 from hybridserve.layers.rope import apply_rope
 
 
@@ -36,9 +37,7 @@ def pooled_rows(
     kv = kv.masked_fill(~valid[..., None], 0)
     gate = gate.masked_fill(~valid[..., None], float("-inf"))
     weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-    h = (kv * weights).sum(dim=1).float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(kv.dtype)
+    return rms_norm((kv * weights).sum(dim=1), weight, eps)
 
 
 @torch.library.custom_op("hybridserve::pool_windows", mutates_args=())

@@ -56,7 +56,7 @@ class NewRows:
     positions: torch.Tensor  # [Nw] rope position of each new row (w * m)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin at ``positions``
     slots: torch.Tensor  # [Nw] history-group slot of each new row
-    completes: torch.Tensor | None = None  # decode_meta's: whether any entry completes a window (0-dim)
+    completes: torch.Tensor | None = None  # decode_meta's HCA branch: whether any entry completes a window
 
 
 @dataclass
@@ -344,7 +344,8 @@ def _decode_compressed(
     src_slots, src_valid, slots = _pooled_rows(batch, m, groups, overlap, w, batch.req_indices, keep)
     rotary, dtype, top = rope
     cos_sin = rotary.cos_sin(w * m, dtype, top)
-    new_rows = NewRows(None, src_slots, src_valid, w * m, cos_sin, slots, keep.any())
+    completes = None if overlap else keep.any()  # HCA: a window completes once in m tokens a request
+    new_rows = NewRows(None, src_slots, src_valid, w * m, cos_sin, slots, completes)
     return _reads(batch, blocks, m, groups[1], row_ids, new_rows)
 
 

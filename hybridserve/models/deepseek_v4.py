@@ -250,7 +250,7 @@ class Attention(nn.Module):
 def _pooled(comp: Compressor, kv_rows: Rows, gate_rows: Rows, new: NewRows) -> torch.Tensor:
     """The roped rows of the windows ``new`` completes. A compiled CPU decode step pools an HCA window only
     when some request completes one (``window_pool``); a CSA window completes every few tokens."""
-    completes = None if comp.overlap else new.completes
+    completes = new.completes
     if completes is not None and torch.compiler.is_compiling() and new.slots.device.type == "cpu":
         kv, gate = _strided(kv_rows), _strided(gate_rows)
         src, valid, (cos, sin), norm = new.src_slots, new.src_valid, new.rope, comp.norm
