@@ -431,10 +431,14 @@ class DeepseekV4Model(nn.Module):
         cache: CacheTensors,
         max_position: int,
         depth: int = 0,
+        kv: tuple[torch.Tensor, ForwardBatch] | None = None,
     ) -> torch.Tensor:
         """``mtp_forward`` of a padded batch of one-token rows, its metadata built from the batch's device
-        tensors (``decode_meta``), so that it runs inside a compiled draft step."""
+        tensors (``decode_meta``), so that it runs inside a compiled draft step. ``kv``: (streams, batch)
+        of more rows that first write only their window row (``mtp_write_kv``), in the same step."""
         layer = self._mtp_layer(depth)
+        if kv is not None:
+            self._write_mtp_kv(layer, *kv, cache, max_position)
         tables = {WINDOW_KV: batch.block_tables[MTP_KV]}  # dynamo traces no dataclasses.replace
         view = ForwardBatch(
             batch.input_ids,
@@ -456,9 +460,14 @@ class DeepseekV4Model(nn.Module):
         """Only the window KV rows ``mtp_forward`` would write at the batch's positions (no attention, MoE,
         head): what positions no draft starts from owe the window of later drafts, at a few percent of
         a trunk step."""
-        layer = self._mtp_layer(depth)
-        slots = batch.slots(MTP_KV, 1, batch.positions, batch.req_indices)
         top = max(batch.host_layout().ends, default=1) - 1
+        self._write_mtp_kv(self._mtp_layer(depth), streams, batch, cache, top)
+
+    def _write_mtp_kv(
+        self, layer: MTPLayer, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, top: int
+    ) -> None:
+        """``mtp_write_kv``'s rows, positions at most ``top``."""
+        slots = batch.slots(MTP_KV, 1, batch.positions, batch.req_indices)
         rope = self.rotary()[layer.block.attn.rope_name].cos_sin(batch.positions, self.dtype, top)
         x = layer.input(streams, self.embed_tokens(batch.input_ids))
         layer.block.write_kv(x, rope, slots, _mtp_cache(layer, cache))

@@ -120,9 +120,11 @@ class PagedModel(Protocol[M]):
         cache: CacheTensors,
         max_position: int,
         depth: int = 0,
+        kv: tuple[torch.Tensor, ForwardBatch] | None = None,
     ) -> torch.Tensor:
         """``mtp_forward`` of a padded batch of one-token rows from device tensors alone (as
-        ``decode_meta``), so that it runs inside a compiled draft step."""
+        ``decode_meta``), so that it runs inside a compiled draft step; ``kv``: (streams, batch) of more
+        rows that first write only their window row (``mtp_write_kv``) in the same step."""
         ...
 
     def mtp_write_kv(

@@ -197,6 +197,7 @@ class TinyDenseModel(nn.Module):
         cache: CacheTensors,
         max_position: int,
         depth: int = 0,
+        kv: tuple[torch.Tensor, ForwardBatch] | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError(f"{NAME} has no draft layers")
 

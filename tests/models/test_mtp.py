@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,22 +160,53 @@ def test_mtp_drafts_match_the_model_card_formula(
         core.abort_request(req.request_id)
 
 
-def test_mtp_kv_write_equals_the_rows_of_the_full_layer(mtp_checkpoint: Callable[[str], Path]) -> None:
-    """``mtp_write_kv`` (no attention, MoE or head) writes exactly the window rows ``mtp_forward`` writes."""
-    model = load_model(mtp_checkpoint("mixed"), torch.float32, "cpu")
+def _trunk_over_prompt(
+    checkpoint: Path, n: int, seed: int
+) -> tuple[Any, BlockPoolSet, list[int], dict[str, list[int]], torch.Tensor]:
+    """The mixed model with its MTP pools, the trunk's streams over a random n-token prompt -> (model,
+    pools, ids, the prompt's block tables, streams)."""
+    model = load_model(checkpoint, torch.float32, "cpu")
     plan = build_plan(model.cache_specs(include_mtp=True), 8, 2, 64, num_blocks=32)
     pools = BlockPoolSet(plan, "cpu")
     coord = KvCacheCoordinator(plan, pools, enable_prefix_caching=False)
-    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     assert coord.allocate("r", 0, len(ids))
     tables = coord.block_tables("r")
-    streams = model(_batch(ids, range(len(ids)), tables, 8), pools.tensors())
-    mtp_batch = _batch(ids[1:], range(len(ids) - 1), tables, 8)
-    rows = pools["mtp_kv"].tensors
-    model.mtp_forward(streams[:-1], mtp_batch, pools.tensors())
+    return model, pools, ids, tables, model(_batch(ids, range(len(ids)), tables, 8), pools.tensors())
+
+
+def _written_then_cleared(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     full = {k: t.clone() for k, t in rows.items()}
     for t in rows.values():
         t.zero_()
+    return full
+
+
+def test_mtp_kv_write_equals_the_rows_of_the_full_layer(mtp_checkpoint: Callable[[str], Path]) -> None:
+    """``mtp_write_kv`` (no attention, MoE or head) writes exactly the window rows ``mtp_forward`` writes."""
+    model, pools, ids, tables, streams = _trunk_over_prompt(mtp_checkpoint("mixed"), 20, 1)
+    mtp_batch = _batch(ids[1:], range(len(ids) - 1), tables, 8)
+    rows = pools["mtp_kv"].tensors
+    model.mtp_forward(streams[:-1], mtp_batch, pools.tensors())
+    full = _written_then_cleared(rows)
     model.mtp_write_kv(streams[:-1], mtp_batch, pools.tensors())
     assert full and all(torch.equal(rows[k], full[k]) for k in full)
     assert any(bool(t.abs().sum() > 0) for t in full.values())
+
+
+def test_mtp_decode_writes_window_only_rows_before_its_own(mtp_checkpoint: Callable[[str], Path]) -> None:
+    """A draft step's window-only rows (``mtp_decode``'s ``kv``) write the rows ``mtp_forward`` writes, in
+    the same step as the last position's whole layer, whose streams then match the full layer's there
+    (which they would not had it read the cleared rows)."""
+    model, pools, ids, tables, streams = _trunk_over_prompt(mtp_checkpoint("mixed"), 12, 2)
+    rows = pools["mtp_kv"].tensors
+    whole = _batch(ids[1:], range(len(ids) - 1), tables, 8)
+    full_out = model.mtp_forward(streams[:-1], whole, pools.tensors())
+    full = _written_then_cleared(rows)
+    n = len(ids) - 1
+    kv = (streams[: n - 1], _batch(ids[1:n], range(n - 1), tables, 8))
+    last = _batch(ids[n:], range(n - 1, n), tables, 8)
+    out = model.mtp_decode(streams[n - 1 : n], last, pools.tensors(), 64, kv=kv)
+    for k in full:  # the same rows up to float rounding: GEMMs of other row counts
+        torch.testing.assert_close(rows[k], full[k])
+    torch.testing.assert_close(out, full_out[-1:])

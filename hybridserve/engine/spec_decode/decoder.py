@@ -9,7 +9,9 @@ window row, compressor input, compressed row or indexer key built from a rejecte
 Then the MTP layer's window KV is written at every position the step verified, drafting or not: row t
 of the draft group (``ModelInfo.draft_group``) comes from the trunk's streams at t and the token t+1.
 Positions no draft starts from write only that row (no attention, MoE or head); a drafting request's
-last k + 1 verified positions run the whole layer, and its output at the last one gives draft 1. For
+last verified position runs the whole layer, its output giving draft 1. Where the draft graph runs the
+layer, the window-only rows are written in the same graph, first (a CPU's small GEMMs can cost in
+proportion to their rows: every further whole row cost about as much as the first). For
 k > 1 the same layer runs again on its own output and draft, one position further, so drafts j >= 2
 write speculative MTP rows past the verified end, which the next step rewrites. Published
 (prefix-cached) blocks hold verified rows only.
@@ -37,6 +39,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.sample.rejection_sampler import RejectionSampler, Verified
 from hybridserve.engine.spec_decode.control import DraftController
 from hybridserve.engine.worker.batch import block_table_tensors
+from hybridserve.engine.worker.decode_graphs import DraftRows
 from hybridserve.engine.worker.model_runner import ModelRunner
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.interface import PagedModel
@@ -162,23 +165,25 @@ class SpecDecoder:
         requests = [s.request for s in scheduled]
         drafts = [self._chain_room(r, n) for r, n in zip(requests, drafts, strict=True)]
         self.num_drafting = sum(1 for n in drafts if n)
-        # A drafting request's last few verified positions run through the whole layer (a decode step's
-        # span: the same cost as one position); every other verified position writes its row only, so a
-        # step that drafts nothing (load control) still leaves the window whole for later drafts.
+        # A drafting request's last verified position runs through the whole layer; every other verified
+        # position writes its row only (before: the whole layer reads them), so a step that drafts
+        # nothing (load control) still leaves the window whole for later drafts.
         kv, full = _Span(), _Span()
         offset = 0
         for s, n in zip(scheduled, drafts, strict=True):
             req, end = s.request, s.request.num_computed_tokens
-            tail = min(end - s.start, self.k + 1) if n else 0
+            tail = min(end - s.start, 1) if n else 0
             kv.add(req, offset, s.start, end - tail)
             full.add(req, offset + end - tail - s.start, end - tail, end)
             offset += s.num_tokens
             req.drop_drafts()
-        if kv.requests:
-            rows = streams[kv.rows_tensor(self.device)]
-            self.model.mtp_write_kv(rows, self._batch(*kv.batch()), self.cache)
+        kv_rows = streams[kv.rows_tensor(self.device)] if kv.requests else None
+        in_graph = bool(full.requests) and len(kv.rows) <= self.runner.max_draft_rows
+        if kv_rows is not None and not in_graph:  # a prompt's rows, or nothing drafts
+            self.model.mtp_write_kv(kv_rows, self._batch(*kv.batch()), self.cache)
         if full.requests:
-            out, logits = self._mtp(streams[full.rows_tensor(self.device)], *full.batch())
+            window_only = None if kv_rows is None or not in_graph else (kv_rows, kv)
+            out, logits = self._mtp(streams[full.rows_tensor(self.device)], *full.batch(), window_only)
             last = torch.tensor(full.last_rows(), device=self.device)
             active = [n for n in drafts if n]
             assert len(active) == len(full.requests)
@@ -191,20 +196,34 @@ class SpecDecoder:
         ids: list[int],
         starts: list[int],
         ends: list[int],
+        window_only: tuple[torch.Tensor, _Span] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MTP layer over positions [starts[i], ends[i]) of request i (``streams`` there, ``ids`` the
         tokens after them) -> its streams, and their draft logits where the draft graph ran it (else None:
-        the caller computes those it needs)."""
+        the caller computes those it needs). ``window_only``: (streams, span) of positions that first
+        write only their window row."""
+        kv = None
+        if window_only is not None:
+            rows, span = window_only
+            kv = DraftRows(rows, span.ids, *self._rows(span.requests, span.starts, span.ends))
+        drafted = self.runner.draft(DraftRows(streams, ids, *self._rows(requests, starts, ends)), kv)
+        if drafted is not None:
+            logits, out = drafted
+            return out, logits
+        if window_only is not None:
+            self.model.mtp_write_kv(window_only[0], self._batch(*window_only[1].batch()), self.cache)
+        return self.model.mtp_forward(streams, self._batch(requests, ids, starts, ends), self.cache), None
+
+    def _rows(
+        self, requests: list[Request], starts: list[int], ends: list[int]
+    ) -> tuple[list[int], list[dict[str, list[int]]]]:
+        """Each position of request i's [starts[i], ends[i]) and its request's block tables."""
         positions: list[int] = []
         tables: list[dict[str, list[int]]] = []
         for req, start, end in zip(requests, starts, ends, strict=True):
             positions += range(start, end)
             tables += [self.coordinator.block_tables(req.request_id)] * (end - start)
-        drafted = self.runner.draft(streams, ids, positions, tables)
-        if drafted is not None:
-            logits, out = drafted
-            return out, logits
-        return self.model.mtp_forward(streams, self._batch(requests, ids, starts, ends), self.cache), None
+        return positions, tables
 
     def _draft_chain(
         self, requests: list[Request], prev: torch.Tensor, logits: torch.Tensor | None, drafts: list[int]

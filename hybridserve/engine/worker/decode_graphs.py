@@ -6,7 +6,8 @@ at its own position (each layer writes the whole step before any row reads, so a
 request's earlier ones, as in a prefill chunk). R rows are padded to the next bucket B in (1, 2, 4, ...,
 max_num_seqs x tokens_per_request) with dummy rows: position 0, every block-table entry the null block,
 token id 0. A ``draft`` runner runs the MTP layer's rows the same way (``run_draft``: its input streams
-in one more buffer; the draft group's table only).
+in one more buffer; the draft group's table only), after K >= 2 rows (padded like B, a dim of its own) that
+only write their window row: the verified positions no draft starts from.
 
 The step copies only its token ids, positions and block tables (padded to a power-of-two width) into the
 persistent buffers of its shape key (B, N per compressed branch, table width); each branch's row reads
@@ -68,6 +69,7 @@ from hybridserve.models.interface import CacheTensors, PagedModel, RowReads
 log = logging.getLogger(__name__)
 
 MIN_ROW_BUCKET = 16
+MIN_KV_ROWS = 2  # a draft step's window-only rows, padded (a dim of 1 would be specialised)
 GRAPH_BACKEND = "inductor"  # what compiles the static step (tests trace some with dynamo's "eager")
 BATCH_STEP = 8
 
@@ -97,6 +99,29 @@ def table_width(width: int) -> int:
 
 
 @dataclass
+class DraftRows:
+    """Rows of a draft step: row i at ``positions[i]`` from ``streams[i]`` (the trunk's, or the draft
+    layer's own) and the next token ``ids[i]``, with its request's ``tables[i]``."""
+
+    streams: torch.Tensor
+    ids: list[int]
+    positions: list[int]
+    tables: list[dict[str, list[int]]]
+
+
+def _fill(batch: ForwardBatch, ids: list[int], positions: list[int], tables: torch.Tensor) -> None:
+    """Copy rows (token, position) and their packed tables [G, B, width] into a key's buffers; the rows
+    past them are dummies: token 0 at position 0, null tables."""
+    b = batch.input_ids.shape[0]
+    pad = [0] * (b - len(ids))
+    host = host_tensor(ids + pad + positions + pad + [p + 1 for p in positions] + [1] * len(pad)).view(3, b)
+    for dst, src in zip((batch.input_ids, batch.positions, batch.seq_ends), host, strict=True):
+        dst.copy_(src)
+    for dst, src in zip(batch.block_tables.values(), tables, strict=True):
+        dst.copy_(src)
+
+
+@dataclass
 class StaticDecode:
     """The persistent buffers (and, on CUDA, the graph) of one shape key. The step's metadata is built
     from them inside the step (``PagedModel.decode_meta``), so a step copies in only its token ids,
@@ -107,6 +132,8 @@ class StaticDecode:
     logits: torch.Tensor | None = None  # [B, V], written by every run
     streams: torch.Tensor | None = None  # [B, hc, D] pre-head streams, written by every run if kept
     inputs: torch.Tensor | None = None  # [B, hc, D] a draft step's input streams (the trunk's or its own)
+    kv: ForwardBatch | None = None  # a draft step's [K] rows that only write their window row, K >= 2
+    kv_inputs: torch.Tensor | None = None  # [K, hc, D] their input streams
     graph: torch.cuda.CUDAGraph | None = None
     ran: bool = False  # the first run of a key may compile
     calls: list[GraphCall] = field(default_factory=list)  # the graph calls of the key's last compiled run
@@ -128,6 +155,12 @@ class StaticDecode:
         for streams in (self.streams, self.inputs):
             if streams is not None and b > 1:
                 torch._dynamo.maybe_mark_dynamic(streams, 0)
+        if self.kv is not None and self.kv_inputs is not None:
+            for t in (self.kv.input_ids, self.kv.positions, self.kv.req_indices, self.kv_inputs):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for table in self.kv.block_tables.values():
+                torch._dynamo.maybe_mark_dynamic(table, 0)
+                torch._dynamo.maybe_mark_dynamic(table, 1)
 
 
 class DecodeGraphRunner:
@@ -225,15 +258,13 @@ class DecodeGraphRunner:
         return self._step(ids, positions, tables, size)
 
     @torch.inference_mode()
-    def run_draft(
-        self, streams: torch.Tensor, ids: list[int], positions: list[int], tables: list[dict[str, list[int]]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft layer (``draft``) over T rows: row i at ``positions[i]`` from ``streams[i]`` and the
-        next token ``ids[i]``, with its request's ``tables[i]`` -> (draft logits [T, V], the layer's
-        streams [T, hc, D]), views of the key's buffers (valid until it runs again)."""
+    def run_draft(self, rows: DraftRows, kv: DraftRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer (``draft``) over T ``rows`` -> (draft logits [T, V], the layer's streams [T, hc,
+        D]), views of the key's buffers (valid until it runs again). ``kv``: rows that only write their
+        window row (``PagedModel.mtp_write_kv``) first, in the same step: positions no draft starts from."""
         assert self.draft, "built for the trunk's steps"
-        t = len(ids)
-        logits = self._step(ids, positions, tables, 0, streams)
+        t = len(rows.ids)
+        logits = self._step(rows.ids, rows.positions, rows.tables, 0, rows.streams, kv)
         assert self._last is not None and self._last.streams is not None
         return logits, self._last.streams[:t]
 
@@ -244,27 +275,29 @@ class DecodeGraphRunner:
         tables: list[dict[str, list[int]]],
         size: int,
         inputs: torch.Tensor | None = None,
+        kv: DraftRows | None = None,
     ) -> torch.Tensor:
         """One padded static step over rows (token, position, tables) -> the rows' logits."""
         t = len(ids)
         b = self.bucket(max(t, size))
-        positions = positions + [0] * (b - t)
-        ids = ids + [0] * (b - t)
         layout = BatchLayout(tuple(positions), tuple(p + 1 for p in positions))
         rows = {} if self.draft else self._row_reads(layout)
-        packed = self._tables(tables, b)
+        if self.draft and kv is None:  # every draft step has window-only rows (a graph of its own else)
+            kv = DraftRows(torch.empty(0), [], [], [])
+        k = 0 if kv is None else max(MIN_KV_ROWS, self.bucket(len(kv.ids)))
+        width = self._width([*tables, *(kv.tables if kv is not None else [])])
         # Compiled graphs take no inference tensors: the persistent buffers are normal ones.
         with torch.inference_mode(False), torch.no_grad():
-            entry = self._entry((b, *rows.values(), packed.shape[-1]), rows)
-            static = entry.batch
-            host = host_tensor(ids + positions + [p + 1 for p in positions]).view(3, b)
-            for dst, src in zip((static.input_ids, static.positions, static.seq_ends), host, strict=True):
-                dst.copy_(src)
-            for dst, src in zip(static.block_tables.values(), packed, strict=True):
-                dst.copy_(src)
+            entry = self._entry((b, *rows.values(), *[k] * (kv is not None), width), rows, k)
+            _fill(entry.batch, ids, positions, self._tables(tables, b, width))
             if inputs is not None:
                 assert entry.inputs is not None
                 entry.inputs[:t].copy_(inputs)
+            if kv is not None:
+                assert entry.kv is not None and entry.kv_inputs is not None
+                _fill(entry.kv, kv.ids, kv.positions, self._tables(kv.tables, k, width))
+                if kv.ids:
+                    entry.kv_inputs[: len(kv.ids)].copy_(kv.streams)
             if self.use_graphs:
                 self._replay(entry)
             else:
@@ -292,10 +325,12 @@ class DecodeGraphRunner:
         least = least_indexed_rows(reads.indexed) if indexed else MIN_ROW_BUCKET
         return row_bucket(reads.visible, most, least)
 
-    def _tables(self, tables: list[dict[str, list[int]]], b: int) -> torch.Tensor:
+    def _width(self, tables: list[dict[str, list[int]]]) -> int:
+        return table_width(max([1, *(len(t[name]) for t in tables for name in self.group_names)]))
+
+    def _tables(self, tables: list[dict[str, list[int]]], b: int, width: int) -> torch.Tensor:
         """Every group's [B, width] table (host, [G, B, width]) from each row's tables; dummy rows and
         padding null."""
-        width = table_width(max([1, *(len(t[name]) for t in tables for name in self.group_names)]))
         flat: list[int] = []
         for name in self.group_names:
             for t in tables:
@@ -303,22 +338,36 @@ class DecodeGraphRunner:
             flat += [NULL_BLOCK] * (width * (b - len(tables)))
         return host_tensor(flat).view(len(self.group_names), b, width)
 
-    def _entry(self, key: tuple[int, ...], rows: dict[str, int]) -> StaticDecode:
+    def _entry(self, key: tuple[int, ...], rows: dict[str, int], kv_rows: int = 0) -> StaticDecode:
         if key not in self.entries:
-            self.entries[key] = self._new_entry(key[0], rows, key[-1])
+            self.entries[key] = self._new_entry(key[0], rows, key[-1], kv_rows)
             if self.compiled is not None:
                 self.entries[key].mark_dynamic()
         return self.entries[key]
 
-    def _new_entry(self, b: int, rows: dict[str, int], width: int) -> StaticDecode:
+    def _new_entry(self, b: int, rows: dict[str, int], width: int, kv_rows: int = 0) -> StaticDecode:
         """Contiguous buffers of one key (strides follow from the shapes, so stride guards always hold)."""
         dev = self.device
+        row_ids = {name: torch.arange(n, device=dev) for name, n in rows.items()}
+
+        def streams_of(n: int) -> torch.Tensor:
+            return torch.zeros((n, *self.model.info.stream_shape), dtype=self.model.dtype, device=dev)
+
+        entry = StaticDecode(self._buffers(b, width), row_ids)
+        entry.streams = streams_of(b) if self.keep_streams else None
+        entry.inputs = streams_of(b) if self.draft else None
+        if kv_rows:
+            entry.kv, entry.kv_inputs = self._buffers(kv_rows, width), streams_of(kv_rows)
+        return entry
+
+    def _buffers(self, b: int, width: int) -> ForwardBatch:
+        """A batch of B one-token rows (row i request i of the tables), zeros."""
 
         def ints(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=dev)
+            return torch.zeros(shape, dtype=torch.long, device=self.device)
 
-        req = torch.arange(b, device=dev)
-        batch = ForwardBatch(
+        req = torch.arange(b, device=self.device)
+        return ForwardBatch(
             input_ids=ints(b),
             positions=ints(b),
             req_indices=req,
@@ -327,11 +376,6 @@ class DecodeGraphRunner:
             block_tokens=self.coordinator.block_tokens,
             logits_indices=req,
         )
-        row_ids = {name: torch.arange(n, device=dev) for name, n in rows.items()}
-        shape = (b, *self.model.info.stream_shape)
-        streams = torch.zeros(shape, dtype=self.model.dtype, device=dev) if self.keep_streams else None
-        inputs = torch.zeros(shape, dtype=self.model.dtype, device=dev) if self.draft else None
-        return StaticDecode(batch, row_ids, streams=streams, inputs=inputs)
 
     def _forward(self, entry: StaticDecode) -> torch.Tensor:
         """The static step: forward and logits of all B rows, then the null blocks zeroed again."""
@@ -389,7 +433,8 @@ class DecodeGraphRunner:
     def _logits(self, entry: StaticDecode) -> torch.Tensor:
         if self.draft:
             assert entry.inputs is not None and entry.streams is not None
-            streams = self.model.mtp_decode(entry.inputs, entry.batch, self.cache, self.max_model_len)
+            kv = None if entry.kv is None or entry.kv_inputs is None else (entry.kv_inputs, entry.kv)
+            streams = self.model.mtp_decode(entry.inputs, entry.batch, self.cache, self.max_model_len, kv=kv)
             entry.streams.copy_(streams)
             return self.model.mtp_logits(streams)
         meta = self.model.decode_meta(entry.batch, entry.rows, self.max_model_len)

@@ -19,7 +19,7 @@ from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.compile_policy import EAGER, CompilePolicy
-from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner
+from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner, DraftRows
 from hybridserve.engine.worker.graph_readiness import DECODE, DRAFT, PREFILL, TAIL, GraphReadiness
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
 from hybridserve.engine.worker.prompt_logprobs import gather_prompt_logprobs
@@ -78,7 +78,8 @@ class ModelRunner:
         if policy.decode_graphs:
             self.decode_graphs = static(compiled=policy.compile_decode, keep_streams=keep_streams)
         if policy.compile_decode and keep_streams and model.info.num_draft_layers:
-            # the MTP layer's rows of a step: each request's verified tail (up to 1 + k), then one a depth
+            # the MTP layer's rows: each drafting request's last verified position (the step's others
+            # write only their window rows, in the same graph), then one a depth
             self.draft_graphs = static(compiled=True, draft=True)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
@@ -171,19 +172,25 @@ class ModelRunner:
         return self.model.compute_logits(streams[batch.logits_indices]), kept
 
     @torch.inference_mode()
-    def draft(
-        self, streams: torch.Tensor, ids: list[int], positions: list[int], tables: list[dict[str, list[int]]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The MTP layer's rows through the draft graph (``DecodeGraphRunner.run_draft``) -> (draft logits,
-        its streams); None where there is none, it is not compiled yet or the rows do not fit: the caller
-        runs the layer eagerly. Counted in ``drafts_by_path``."""
+    def draft(self, rows: DraftRows, kv: DraftRows | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MTP layer's ``rows`` through the draft graph (``DecodeGraphRunner.run_draft``; ``kv``: rows
+        that first write only their window row) -> (draft logits, its streams); None where there is none,
+        it is not compiled yet or the rows do not fit: the caller runs the layer (and writes ``kv``) eagerly.
+        Counted in ``drafts_by_path``."""
         with self.graphs.use() as ready:
             graphs = self.draft_graphs
-            if graphs is not None and DRAFT in ready and len(ids) <= graphs.buckets[-1]:
+            most = self.max_draft_rows
+            fits = len(rows.ids) <= most and (kv is None or len(kv.ids) <= most)
+            if graphs is not None and DRAFT in ready and fits:
                 self.drafts_by_path["graph"] += 1
-                return graphs.run_draft(streams, ids, positions, tables)
+                return graphs.run_draft(rows, kv)
         self.drafts_by_path["eager"] += 1
         return None
+
+    @property
+    def max_draft_rows(self) -> int:
+        """The most rows of each kind a draft graph step takes (0: no draft graphs)."""
+        return 0 if self.draft_graphs is None else self.draft_graphs.buckets[-1]
 
     def _decode_graph(
         self, scheduled: list[ScheduledRequest], graphs: DecodeGraphRunner, keep_streams: bool
