@@ -1,7 +1,9 @@
 """Small-row fp32 GEMMs of a checkpoint's shapes on CPU: ``torch.mm`` against the alternatives a user would
 reach for, each with its speed and whether it gives ``mm``'s exact bits.
 
-* ``mm``: ``x @ W.T`` as the model's linears run it (MKL's sgemm on CPU builds);
+* ``mm``: ``x @ W.T``, W [N, K] as the checkpoint stores it (MKL's sgemm on CPU builds);
+* ``mm_input_major``: the same product with W's storage input-major (``W.T`` contiguous), the layout
+  ``load_model`` gives fp32 CPU weights (``layers/weight_layout.py``);
 * ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on a ``_mkl_reorder_linear_weight``
   packed for the row count; what inductor's weight prepacking uses);
 * ``onednn``: oneDNN's linear on a reordered weight (``torch.ops.mkldnn._linear_pointwise``).
@@ -52,10 +54,12 @@ def measure(n: int, k: int, rows: int, copies: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(n * k + rows)
     weights = [torch.randn(n, k, generator=g) for _ in range(copies)]
     x = torch.randn(rows, k, generator=g)
+    input_major = [w.t().contiguous().t() for w in weights]
     packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
     reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
     kinds: dict[str, Callable[[int], torch.Tensor]] = {
         "mm": lambda i: torch.mm(x, weights[i].t()),
+        "mm_input_major": lambda i: torch.mm(x, input_major[i].t()),
         "mkl_packed": lambda i: torch.ops.mkl._mkl_linear(x, packed[i], weights[i], None, rows),
         "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, reordered[i], None, "none", [], ""),
     }
@@ -81,15 +85,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     results = []
-    print("| rows | N x K | mm us (GFLOP/s) | MKL packed us, exact | oneDNN us, exact |")
-    print("|---|---|---|---|---|")
+    others = ("mm_input_major", "mkl_packed", "onednn")
+    print("| rows | N x K | mm us (GFLOP/s) | input-major, MKL packed, oneDNN: us, exact |")
+    print("|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         for n, k in weight_shapes(args.checkpoint):
             r = measure(n, k, rows, args.copies, args.repeats)
             results.append(r)
-            mm, pk, dn = r["mm"], r["mkl_packed"], r["onednn"]
-            cells = [f"{mm['us']:.1f} ({mm['gflop_s']:.0f})", f"{pk['us']:.1f}, {pk['exact']}"]
-            print(f"| {rows} | {n} x {k} | {cells[0]} | {cells[1]} | {dn['us']:.1f}, {dn['exact']} |")
+            mm = r["mm"]
+            cells = [f"{mm['us']:.1f} ({mm['gflop_s']:.0f})"]
+            cells.append("; ".join(f"{r[kind]['us']:.1f}, {r[kind]['exact']}" for kind in others))
+            print(f"| {rows} | {n} x {k} | {' | '.join(cells)} |")
     if args.out:
         meta = {"checkpoint": str(args.checkpoint), "threads": args.threads, "torch": torch.__version__}
         args.out.write_text(json.dumps({**meta, "results": results}, indent=2))
