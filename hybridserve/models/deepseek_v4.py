@@ -458,8 +458,8 @@ class DeepseekV4Model(nn.Module):
         self, streams: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, depth: int = 0
     ) -> None:
         """Only the window KV rows ``mtp_forward`` would write at the batch's positions (no attention, MoE,
-        head): what positions no draft starts from owe the window of later drafts, at a few percent of
-        a trunk step."""
+        head): what positions no draft starts from owe the window of later drafts. Eager; inside a draft
+        step they are ``mtp_decode``'s ``kv`` rows."""
         top = max(batch.host_layout().ends, default=1) - 1
         self._write_mtp_kv(self._mtp_layer(depth), streams, batch, cache, top)
 
