@@ -336,8 +336,10 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # An uninitialised table (the checkpoint fills it): nn.Embedding's random init would import
+        # torch._dynamo (~1.5 s) on the meta device, which an eager engine never needs.
+        rows = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=rows, _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, f"layers.{i}", t, cfg.mlp_layer_types[i]) for i, t in enumerate(cfg.layer_types)
         )
