@@ -10,7 +10,8 @@ The controller picks one of two kinds of step:
   layer's window rows of its positions unwritten, so a request drafts again only once a window's worth of
   rows has been written after them (engine/spec_decode/decoder.py).
 
-A step's time has three parts, each learned from the steps that ran it (``StepCost``):
+A step's time has three parts, each learned from the steps that ran it (``StepCost``) as the least of
+its last SAMPLES timings (``Timings``):
 
 * the trunk forward over T tokens (verification included), per quarter octave of T;
 * the MTP work of c drafts per request, per (c, octave of the drafting requests r);
@@ -18,15 +19,19 @@ A step's time has three parts, each learned from the steps that ran it (``StepCo
 
 With n requests of which r draft c tokens each, a step verifies n + r c tokens and yields n + r (E(c) - 1)
 of them, E(c) = 1 + a_1 + a_1 a_2 + ... (a_i the acceptance at position i: its first verifications are
-averaged with the prior, the shallower position's acceptance until then, later ones move an EMA); a plain
+averaged with the prior, the shallower position's acceptance until then, later ones move an average over
+about the last ACCEPTANCE_MEMORY verifications: at 16 requests one step's luck must not decide); a plain
 step yields n. The controller picks the choice with the most tokens per second. Parts never measured
 (a load not seen yet) are scaled from the nearest measured ones. Drafting k (once some request can) and a
-plain step are each tried first; then the runner-up is tried again FIRST_RETRY steps later, and after
-twice as many steps each time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the choice changes kind),
+plain step are each tried first; then the runner-up (the best other choice: the first-ranked itself where
+SWITCH_MARGIN kept it out, else it would never be measured again) is tried again FIRST_RETRY steps
+later, and after twice as many steps each time (MAX_RETRY_GAP at most; back to FIRST_RETRY once the
+choice changes kind),
 but never so often that its tries cost more than about RETRY_BUDGET of the engine's time (a try's steps
 counted at their own length: a runner-up of the other kind, 30% slower, its steps as long, waits 90), so
-estimates follow the load while a clear loser costs little. A try lasts until a steady step of its kind
-was timed: only decode steps teach the parts (a step drafting none only its trunk), and not the first
+estimates follow the load while a clear loser costs little. A try lasts until TIMED_PER_TRY steady steps
+of its kind were timed (one slow step, another process's doing, must not condemn a choice for a hundred
+steps): only decode steps teach the parts (a step drafting none only its trunk), and not the first
 SETTLE after a change of kind (plain, drafting c, or none; the first verifies the
 last step's drafts, or has none to verify; on a CPU the trunk ran 50% then 25% slower for the two plain
 steps after drafting, on caches the MTP work had filled), nor a prompt's chunk (it writes many window rows
@@ -42,18 +47,21 @@ vLLM's static ``disable_by_batch_size`` is honoured on top: no drafts while that
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-EMA = 0.3  # weight of a new measurement
+SAMPLES = 6  # timings kept of each part at each size
+ACCEPTANCE_MEMORY = 64  # an acceptance estimate averages about this many of the latest verifications
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft was verified
-PRIOR_WEIGHT = 2  # ... worth that many verifications: the first ones average, later ones move an EMA
+PRIOR_WEIGHT = 2  # ... worth that many verifications: the first ones average, later ones a running average
 FIRST_RETRY = 4  # steps at a load before the runner-up is tried again; the gap doubles after each try
 MAX_RETRY_GAP = 1024
 RETRY_BUDGET = 0.02  # at most about this share of the speed is lost to tries of a slower runner-up
 SETTLE = 2  # steps of a kind after a change of kind that are not timed (caches refill, drafts drain)
 SWITCH_MARGIN = 0.05  # how much faster the other kind of step must look before the choice changes kind
-TRY_STEPS = 6  # steps a try may take: a step verifying the last drafts, SETTLE steps, a timed one
+TIMED_PER_TRY = 2  # steady steps a try times
+TRY_STEPS = 6  # steps a try may take: a step verifying the last drafts, SETTLE steps, the timed ones
 K = TypeVar("K")
 
 
@@ -74,6 +82,23 @@ class StepCost:
     decode_only: bool = True
 
 
+@dataclass
+class Timings:
+    """The last SAMPLES timings of one step part at one size; its estimate is the least of them. On a
+    shared machine other work only ever makes a step slower, so the low end is the part's own cost; an
+    average would carry a burst of slow steps for many (a low quantile too, where the other kind's timings
+    come two a try). SAMPLES steps of the running kind, or its last three tries, follow a real change."""
+
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        return min(self.samples)
+
+
 def _token_bucket(tokens: int) -> int:
     """Quarter octaves: 16, 32 and 48 tokens (16 requests drafting 0, 1, 2) fall in different buckets."""
     return round(4 * math.log2(max(tokens, 1)))
@@ -88,9 +113,9 @@ class DraftController:
     k: int
     adaptive: bool = True
     disable_by_batch_size: int | None = None
-    trunk_seconds: dict[int, float] = field(default_factory=dict)  # token bucket -> s
-    draft_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (c, drafting bucket) -> s
-    other_seconds: dict[tuple[bool, int], float] = field(default_factory=dict)  # (plain, bucket) -> s
+    trunk_seconds: dict[int, Timings] = field(default_factory=dict)  # token bucket -> s
+    draft_seconds: dict[tuple[int, int], Timings] = field(default_factory=dict)  # (c, drafting bucket) -> s
+    other_seconds: dict[tuple[bool, int], Timings] = field(default_factory=dict)  # (plain, bucket) -> s
     acceptance: list[float] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)  # verifications seen at each draft position
     exploring: bool = False  # the last choice is a try, not the best estimate
@@ -101,7 +126,7 @@ class DraftController:
     _trying: tuple[int, int] | None = None  # (choice, steps left) of the try under way
     _prev_kind: str = ""  # the kind of the last step recorded ("plain", "drafting c" or "")
     _run: int = 0  # steps of that kind in a row
-    _measured: bool = False  # the try under way got a steady step of its kind
+    _timed: int = 0  # steady steps of its kind the try under way has timed
 
     def __post_init__(self) -> None:
         self.acceptance = [PRIOR_ACCEPTANCE] * self.k
@@ -120,7 +145,7 @@ class DraftController:
         ready = n if num_ready is None else num_ready
         if self._trying is not None:
             c, left = self._trying
-            if not self._measured and left > 0 and (c == 0 or ready):
+            if self._timed < TIMED_PER_TRY and left > 0 and (c == 0 or ready):
                 self._trying = (c, left - 1)
                 self.exploring = True
                 return c
@@ -135,12 +160,6 @@ class DraftController:
         rate = {c: self._tokens(c, n, ready or n) / s for c, s in seconds.items()}
         ranked = sorted(rate, key=lambda c: -rate[c])  # k >= 1: at least plain and drafting 1
         b = _request_bucket(n)
-        # A try's cost in steps of the best choice: its share of speed lost, over its steps (its settling
-        # steps too, and the drafts left to verify for the other kind), each as long as a step of its own.
-        steps = TRY_STEPS if (ranked[0] == 0) != (ranked[1] == 0) else SETTLE + 1
-        loss = (1 - rate[ranked[1]] / rate[ranked[0]]) * steps * seconds[ranked[1]] / seconds[ranked[0]]
-        if self._retry_due(b, loss) and (ready or ranked[1] == 0):
-            return self._try(ranked[1], n)
         best = ranked[0]
         if self._last is not None and (best == 0) != (self._last == 0):
             stay = max((c for c in rate if (c == 0) == (self._last == 0)), key=lambda c: rate[c])
@@ -148,14 +167,22 @@ class DraftController:
                 best = stay
             else:
                 self._retry_gap[b] = FIRST_RETRY
+        # The runner-up is the best other choice, the first-ranked itself where the margin kept it out.
+        rival = ranked[0] if ranked[0] != best else ranked[1]
+        # A try's cost in steps of the best choice: its share of speed lost, over its steps (its settling
+        # steps too, and the drafts left to verify for the other kind), each as long as a step of its own.
+        steps = TRY_STEPS if (best == 0) != (rival == 0) else SETTLE + TIMED_PER_TRY
+        loss = max(1 - rate[rival] / rate[best], 0.0) * steps * seconds[rival] / seconds[best]
+        if self._retry_due(b, loss) and (ready or rival == 0):
+            return self._try(rival, n)
         self._last = best
         return best
 
     def _try(self, c: int, n: int) -> int:
-        """A try lasts until a steady step of its kind was timed (after SETTLE steps of it: the first
-        verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at most. The next
-        retry at this load counts its steps from here."""
-        self.exploring, self._trying, self._measured = True, (c, TRY_STEPS - 1), False
+        """A try lasts until TIMED_PER_TRY steady steps of its kind were timed (after SETTLE steps of it:
+        the first verifies the last drafts, or none, on caches the other kind filled), TRY_STEPS at most.
+        The next retry at this load counts its steps from here."""
+        self.exploring, self._trying, self._timed = True, (c, TRY_STEPS - 1), 0
         self._retry_from[_request_bucket(n)] = self._steps
         return c
 
@@ -193,7 +220,7 @@ class DraftController:
         gets measured)."""
         b = _token_bucket(tokens)
         near = min(self.trunk_seconds, key=lambda t: (abs(t - b), t))
-        return self.trunk_seconds[near] * 2 ** ((b - near) / 8)
+        return self.trunk_seconds[near].seconds * 2 ** ((b - near) / 8)
 
     def _draft(self, c: int, r: int) -> float:
         """The MTP work of c drafts for each of r requests: measured for (c, r's size), else scaled from
@@ -201,17 +228,17 @@ class DraftController:
         root of the size ratio."""
         b = _request_bucket(r)
         if (c, b) in self.draft_seconds:
-            return self.draft_seconds[(c, b)]
+            return self.draft_seconds[(c, b)].seconds
         nb = min({rb for _, rb in self.draft_seconds}, key=lambda x: (abs(x - b), x))
-        at = {dc: s for (dc, rb), s in self.draft_seconds.items() if rb == nb}
+        at = {dc: t.seconds for (dc, rb), t in self.draft_seconds.items() if rb == nb}
         near = min(at, key=lambda d: abs(d - c))
         return at[near] * c / near * 2 ** ((b - nb) / 2)
 
     def _other(self, plain: bool, n: int) -> float:
         """The rest of a step of that kind at n's size, or the nearest measured (either kind)."""
         b = _request_bucket(n)
-        same = {rb: s for (p, rb), s in self.other_seconds.items() if p == plain}
-        return _nearest(same or {rb: s for (_, rb), s in self.other_seconds.items()}, b)
+        same = {rb: t.seconds for (p, rb), t in self.other_seconds.items() if p == plain}
+        return _nearest(same or {rb: t.seconds for (_, rb), t in self.other_seconds.items()}, b)
 
     def expected_tokens(self, c: int) -> float:
         """Tokens one request gains from a step verifying ``c`` drafts."""
@@ -242,7 +269,7 @@ class DraftController:
             return  # drafts none but may verify some: only its trunk is a step part of a choice
         b = _request_bucket(cost.requests)
         if self._trying is not None and self._trying[0] == (0 if cost.plain else cost.drafts):
-            self._measured = True
+            self._timed += 1
         if cost.plain:
             _update(self.other_seconds, (True, b), max(cost.seconds - cost.trunk_seconds, 0.0))
         else:
@@ -259,13 +286,12 @@ class DraftController:
             if i and not self.verified[i]:
                 self.acceptance[i] = self._acceptance(i)
             self.verified[i] += 1
-            weight = max(1 / (self.verified[i] + PRIOR_WEIGHT), EMA / 4)
+            weight = 1 / min(self.verified[i] + PRIOR_WEIGHT, ACCEPTANCE_MEMORY)
             self.acceptance[i] += weight * (hit - self.acceptance[i])
 
 
-def _update(table: dict[K, float], key: K, seconds: float) -> None:
-    old = table.get(key)
-    table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+def _update(table: dict[K, Timings], key: K, seconds: float) -> None:
+    table.setdefault(key, Timings()).add(seconds)
 
 
 def _nearest(table: dict[int, float], key: int) -> float:
