@@ -4,6 +4,9 @@ VENV := .venv
 # Test workers (pytest-xdist). Each test file runs on one worker: module fixtures start once; files
 # marked slow_file go first (tests/conftest.py), in the order collected.
 PYTEST_WORKERS ?= 2
+# Where pip finds no CPU torch wheel of its own (a plain PyPI setup gets the multi-GB CUDA build), name
+# the CPU index: make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
@@ -13,7 +16,7 @@ TEST_STAMP := $(VENV)/.test-deps-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# CPU torch first: an open torch requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# Serving needs only the runtime dependencies; `make test` adds the test extras (~10 s less to serve).
 	$(BIN)/pip install -q -e .
 	touch $(STAMP)
