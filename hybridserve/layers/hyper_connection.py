@@ -117,6 +117,22 @@ def mhc_tail_unrolled(
     return post * 2, comb, collapsed
 
 
+@torch.compiler.nested_compile_region
+def traced_tail(
+    pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
+) -> _TailOut:
+    """:func:`mhc_tail_eager`'s ops, out of place, as the tail a larger compiled graph traces. A nested
+    compile region: dynamo traces its 2 x iters normalisations once per graph, not once per mHC site
+    (every layer has two), and ``tracing`` inlines the copies back, so inductor sees the graph it saw
+    before (the same kernels, the same bits)."""
+    comb = comb + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return post + post, comb, _collapse(pre + eps, streams)
+
+
 def _sinkhorn_of_one(iters: int, eps: float) -> float:
     """Sinkhorn of a 1x1 mix equal to 1 by :func:`mhc_tail_eager`'s own float32 ops, as a number."""
     cpu = torch.device("cpu")  # explicit: models are built under a meta-device context
@@ -158,9 +174,11 @@ def mhc_tail(
     pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
 ) -> _TailOut:
     """The compiled tail when enabled, else the eager one. Empty batches and ``hc_mult == 1`` stay eager
-    (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix), and so does a tail
-    traced into a larger compiled graph (the compiled decode step fuses it there)."""
+    (inductor's inliner blows up on the 1x1 chain, and there is nothing to mix). A tail traced into a
+    larger compiled graph (a step graph fuses it there) is :func:`traced_tail`."""
     # is_compiling first: a traced graph then never reads (and guards on) the process-wide switch
+    if torch.compiler.is_compiling() and comb.shape[-1] >= 2:
+        return traced_tail(pre, post, comb, streams, iters, eps)
     eager = torch.compiler.is_compiling() or not (_compile_enabled or getattr(_warming, "on", False))
     if eager or streams.shape[0] == 0 or comb.shape[-1] < 2:
         return mhc_tail_eager(pre, post, comb, streams, iters, eps)

@@ -268,8 +268,9 @@ def test_warm_up_compiles_before_the_first_step() -> None:
     assert counters["stats"]["unique_graphs"] == graphs and mhc.compile_enabled()
 
 
-def test_a_tail_traced_into_a_compiled_graph_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside a larger compiled region (the compiled decode step) the tail is traced as the eager ops."""
+def test_a_tail_traced_into_a_compiled_graph_is_the_eager_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a larger compiled region (a compiled step) the tail is traced as the eager ops, out of place
+    (``traced_tail``, a nested compile region), not as the separately compiled tail."""
     calls: list[str] = []
     monkeypatch.setattr(mhc, "_compiled_tail", lambda: calls.append("nested") or mhc.mhc_tail_unrolled)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

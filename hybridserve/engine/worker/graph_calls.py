@@ -30,8 +30,12 @@ def tracing() -> AbstractContextManager[None]:
     more than it saves: without it a prefill graph traced about 30% faster, a decode graph about 15% (tiny
     test models, eager backend). The floats a step reads are the model's constants (norm epsilons,
     scales); traced as symbols (dynamo's default under ``dynamic=True``), inductor cannot turn them all
-    into tensors and dynamo traces the whole graph a second time with them specialised."""
-    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False, specialize_float=True)
+    into tensors and dynamo traces the whole graph a second time with them specialised. Nested compile
+    regions (``layers/hyper_connection.traced_tail``) are traced once and inlined back into one flat
+    graph for the backend."""
+    return torch._dynamo.config.patch(
+        fake_tensor_cache_enabled=False, specialize_float=True, inline_invoke_subgraph=True
+    )
 
 
 @dataclass
