@@ -124,7 +124,8 @@ def traced_tail(
     """:func:`mhc_tail_eager`'s ops, out of place, as the tail a larger compiled graph traces. A nested
     compile region: dynamo traces its 2 x iters normalisations once per graph, not once per mHC site
     (every layer has two), and ``tracing`` inlines the copies back, so inductor sees the graph it saw
-    before (the same kernels, the same bits)."""
+    before (the same kernels, the same bits). Out of place: a region over the in-place eager function
+    itself gave the same bits but a slower warm warm-up of the bundled model (38.5 s against 31.8 s)."""
     comb = comb + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
