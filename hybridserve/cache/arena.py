@@ -10,6 +10,7 @@ it), which forgets those cached blocks.
 from __future__ import annotations
 
 import itertools
+import mmap
 from collections import OrderedDict
 from typing import Any
 
@@ -42,12 +43,21 @@ class SparseTable(dict[int, Any]):
             super().__setitem__(block, value)
 
 
+def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` zero bytes. On CPU an anonymous mapping, whose pages the kernel zeroes when first
+    touched: writing a large arena's zeros up front costs seconds of every start-up (a page fault per
+    4 KiB page), spent here by the first requests that use each page instead."""
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 class PageArena:
     """The pages and their owners; groups' views of ``storage`` are made by ``ArenaBlockPool``."""
 
     def __init__(self, plan: ArenaPlan, device: torch.device | str) -> None:
         self.plan = plan
-        self.storage = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        self.storage = zeroed_bytes(plan.total_bytes, torch.device(device))
         self.owner: list[str | None] = [None] * plan.num_pages
         self._free: dict[int, None] = dict.fromkeys(range(plan.num_pages - 1, NULL_PAGE, -1))  # LIFO
         self.pools: dict[str, ArenaBlockPool] = {}

@@ -124,11 +124,12 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # Before serving, on this thread: importing xgrammar (it imports transformers, whose lazy module
-        # another thread must not import at the same time) costs ~1.3 s, which the first constrained
-        # request would otherwise spend on the event loop.
-        warm_grammar_checks()
         loading = asyncio.create_task(load())
+        await asyncio.sleep(0)  # the engine-core process starts now, beside the import below
+        # Before serving, on this thread: importing xgrammar (it imports transformers, whose lazy module
+        # another thread must not import at the same time; starting the engine imports none of it)
+        # costs ~1.3 s, which the first constrained request would otherwise spend on the event loop.
+        warm_grammar_checks()
         yield
         await asyncio.wait({loading})
         if state.lag_task is not None:

@@ -50,7 +50,9 @@ MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
+        """``own_process``: the engine core runs in a process of its own (``run_engine_core``), where
+        start-up work no other thread shares may move off the path to readiness."""
         self.config = config
         self.device = config.torch_device()
         raw = read_config(config.model)
@@ -78,7 +80,7 @@ class EngineCore:
         self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
         self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
         self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
-        self.grammar_warm_up = self.structured.start_warm_up()  # beside the rest of start-up
+        self.grammar_warm_up = self.structured.start_warm_up(import_in_thread=own_process)
         stop = StopChecker(self.structured, self.limits.max_request_tokens)
         self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()
@@ -139,13 +141,12 @@ class EngineCore:
         ``ModelRunner.warmup``)."""
         self.runner.warmup(progress)
 
-    def start_warmup(self) -> None:
-        """Compile the worker's graphs in the background while steps run eagerly where the device allows
-        (``--compile-in-background``, CPU), else before the first request, as ``warmup``."""
-        if self.config.compile_in_background and self.device.type == "cpu":
-            self.runner.start_background_warmup()
-        else:
-            self.warmup()
+    @property
+    def compiles_in_background(self) -> bool:
+        """Whether steps start eagerly while the graphs compile beside them (``--compile-in-background``,
+        on CPU, where there is something to compile), rather than after ``warmup``."""
+        background = self.config.compile_in_background and self.device.type == "cpu"
+        return background and self.runner.warmup_part_count() > 0
 
     def execute_dummy_batch(self) -> None:
         """A step with no tokens of this rank's own: joins every MoE layer's dispatch and combine."""
@@ -258,7 +259,12 @@ class EngineCore:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one step. A failure inside the forward or the sampler fails only that step's requests
-        (finish reason ERROR, blocks freed); EngineDeadError when the engine itself cannot go on."""
+        (finish reason ERROR, blocks freed); EngineDeadError when the engine itself cannot go on. While
+        the graphs compile in the background, the compile pauses for the step (``CompileShare``)."""
+        with self.runner.compile_share.step():
+            return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         self._step_start = time.perf_counter()  # load control times whole steps, scheduling included
         early = self._between_steps()
         out = self.scheduler.schedule()

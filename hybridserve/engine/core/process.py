@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +59,15 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
     status, parent = 1, os.getppid()
     try:
         load_plugins()
-        core = EngineCore(config)
-        core.start_warmup()
+        core = EngineCore(config, own_process=True)
+        background = core.compiles_in_background
+        if background:
+            core.runner.graphs.start_gating()  # steps take a compiled part only once it is ready
+        else:
+            core.warmup()
         send_while_parent_lives(outputs, encode(_ready(core)), parent)
-        status = _core_loop(core, inputs, outputs).run()
+        loop = _core_loop(core, inputs, outputs)
+        status = _run_beside_compile(core, loop) if background else loop.run()
     except ApiProcessGone:
         log.error("the API process is gone; exiting")
     except BaseException as exc:  # the API process must hear why, then this process exits non-zero
@@ -73,6 +79,29 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
         inputs.close(linger=0)
         ctx.term()
     sys.exit(status)
+
+
+def _run_beside_compile(core: EngineCore, loop: CoreLoop) -> int:
+    """The core loop in a thread while this, the main thread, compiles the graphs: only the main thread
+    can be paused (by a signal) for each step (``engine/worker/compile_share.py``). Once the loop ends,
+    the compile is abandoned; the loop's status or exception is this function's."""
+    outcome: list[int | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(loop.run())
+        except BaseException as exc:  # re-raised in the main thread
+            outcome.append(exc)
+        finally:
+            core.runner.compile_share.abandon()
+
+    thread = threading.Thread(target=run, name="core-loop", daemon=True)
+    thread.start()
+    core.runner.warm_beside_steps()
+    thread.join()
+    if isinstance(result := outcome[0], BaseException):
+        raise result
+    return result
 
 
 def _core_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> CoreLoop:

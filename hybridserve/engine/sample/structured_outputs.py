@@ -202,14 +202,19 @@ class StructuredOutputs:
         self._matched: dict[str, _Matched] = {}
 
     # ---- grammars ---------------------------------------------------------------------------------
-    def start_warm_up(self) -> threading.Thread | None:
-        """Import xgrammar (~1.3 s: it pulls in transformers), then build the compiler (the vocabulary's
+    def start_warm_up(self, import_in_thread: bool = False) -> threading.Thread | None:
+        """Import xgrammar (seconds: it pulls in transformers), then build the compiler (the vocabulary's
         token table) and compile the JSON-object grammar in a background thread, at start-up: on the step
         loop they would stall every stream when the first constrained request came. A constrained request
-        that comes sooner waits for the warm-up; None when there is no tokenizer."""
+        that comes sooner waits for the warm-up; None when there is no tokenizer.
+
+        transformers' lazy module must not be imported by two threads at once, so xgrammar is imported
+        here unless ``import_in_thread`` (an engine-core process of its own, where nothing else imports
+        transformers: the import then does not delay the engine's readiness)."""
         if not (Path(self.folder) / "tokenizer.json").is_file():
             return None
-        xgr.GrammarCompiler  # noqa: B018  # imported here: transformers' lazy module is not thread-safe
+        if not import_in_thread:
+            xgr.GrammarCompiler  # noqa: B018
         thread = threading.Thread(target=self.warm_up, name="grammar-warm-up", daemon=True)
         thread.start()
         return thread

@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,10 +57,13 @@ from hybridserve.cache.pool import NULL_BLOCK
 from hybridserve.cache.pool_set import BlockPoolSet
 from hybridserve.engine.core.scheduler import ScheduledRequest
 from hybridserve.engine.worker.graph_calls import (
+    CompileOnFirstCall,
     DirectCall,
     GraphCall,
     RecordingBackend,
     direct_call,
+    mark_static,
+    static_pool_tensors,
     tracing,
 )
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
@@ -214,9 +218,13 @@ class DecodeGraphRunner:
         if compiled:
             # Every runner compiles the one function: isolated, its graphs count against its own recompile
             # limit, not against one that every engine of the process shares (the ninth one failed).
-            self.compiled = torch.compile(
-                self._logits, dynamic=None, backend=self.recorder, isolate_recompiles=True
-            )  # type: ignore[call-overload]  # torch's overloads lack the newer options
+            self.compiled = CompileOnFirstCall(
+                self._logits,
+                partial(mark_static, static_pool_tensors(self.cache)),
+                dynamic=None,
+                backend=self.recorder,
+                isolate_recompiles=True,
+            )
             model.prepare_compiled_decode()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
 

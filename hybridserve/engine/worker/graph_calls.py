@@ -16,7 +16,7 @@ the decode step reads its buffers and writes tensors, nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,36 @@ def tracing() -> AbstractContextManager[None]:
     return torch._dynamo.config.patch(
         fake_tensor_cache_enabled=False, specialize_float=True, inline_invoke_subgraph=True
     )
+
+
+def static_pool_tensors(cache: Mapping[Any, Any]) -> list[torch.Tensor]:
+    """The tensors under a graph's cache rows (``BlockPoolSet.graph_tensors``): the pools never change
+    shape, so no graph traces a symbol for them (``torch._dynamo.mark_static`` before the first compile:
+    a decode graph made dynamic in its batch would otherwise make them dynamic too)."""
+    return [rows if isinstance(rows, torch.Tensor) else rows.flat for rows in cache.values()]
+
+
+def mark_static(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        torch._dynamo.mark_static(tensor)
+
+
+class CompileOnFirstCall:
+    """``torch.compile(fn, **options)``, made on the first call (after ``prepare``): importing the
+    compiler takes seconds, which an engine that compiles in the background spends after it is ready."""
+
+    def __init__(
+        self, fn: Callable[..., Any], prepare: Callable[[], None] | None = None, **options: Any
+    ) -> None:
+        self._fn, self._prepare, self._options = fn, prepare, options
+        self._compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._compiled is None:
+            if self._prepare is not None:
+                self._prepare()
+            self._compiled = torch.compile(self._fn, **self._options)
+        return self._compiled(*args)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -19,6 +20,7 @@ from hybridserve.engine.sample.ops import SampleResult
 from hybridserve.engine.sample.sampler import Sampler
 from hybridserve.engine.worker.batch import build_forward_batch
 from hybridserve.engine.worker.compile_policy import EAGER, CompilePolicy
+from hybridserve.engine.worker.compile_share import CompileShare
 from hybridserve.engine.worker.decode_graphs import DecodeGraphRunner, DraftRows
 from hybridserve.engine.worker.graph_readiness import DECODE, DRAFT, PREFILL, TAIL, GraphReadiness
 from hybridserve.engine.worker.prefill_graphs import PrefillGraphRunner
@@ -62,6 +64,7 @@ class ModelRunner:
         self.drafts_by_path: Counter[str] = Counter()  # the MTP layer's forwards: "graph" or "eager"
         self.policy = policy
         self.graphs = GraphReadiness()
+        self.compile_share = CompileShare()  # the background compile pauses for steps (see its module)
         max_len = max_model_len or model.info.max_position_embeddings
         if policy.compile_prefill:
             self.prefill_graphs = PrefillGraphRunner(model, pools, coordinator, device, max_len)
@@ -92,23 +95,36 @@ class ModelRunner:
         self.graphs.all_ready()
 
     def start_background_warmup(self) -> threading.Thread:
-        """``warmup`` in a thread while steps run eagerly: each part takes over once it is compiled (see
-        ``GraphReadiness``); the log and ``graphs.ready`` say when, and when the engine reached full
-        speed."""
+        """``warm_beside_steps`` in a thread of its own. Steps in the calling thread run slower beside it
+        (see ``compile_share``): the engine-core process compiles in its main thread instead."""
         self.graphs.start_gating()
-        thread = threading.Thread(target=self._warm_in_background, name="compile-steps", daemon=True)
+        thread = threading.Thread(target=self.warm_beside_steps, name="compile-steps", daemon=True)
         thread.start()
         return thread
 
-    def _warm_in_background(self) -> None:
+    def warm_beside_steps(self) -> None:
+        """``warmup`` while steps run eagerly in another thread (after ``graphs.start_gating``): each part
+        takes over once it is compiled (see ``GraphReadiness``); the log and ``graphs.ready`` say when,
+        and when the engine reached full speed. In the main thread the compile pauses for each step
+        (``CompileShare``) and stops once abandoned."""
+        main = threading.current_thread() is threading.main_thread()
+        with self.compile_share.compiling() if main else nullcontext():
+            if self._warm_parts_beside_steps():
+                log.info(
+                    "full speed: every compiled step ready %.1f s after start-up", self.graphs.all_ready()
+                )
+
+    def _warm_parts_beside_steps(self) -> bool:
         try:
             for name, warm in self._warmup_parts():
+                if self.compile_share.abandoned:
+                    return False
                 with self.graphs.compiling():
                     self._warm_part(name, warm)
         except Exception:  # the engine keeps serving eagerly
             log.exception("compiling the steps in the background failed; they run eagerly")
-            return
-        log.info("full speed: every compiled step ready %.1f s after start-up", self.graphs.all_ready())
+            return False
+        return True
 
     def _warm_part(self, name: str, warm: Callable[[], str | None]) -> None:
         start = time.perf_counter()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +48,13 @@ from hybridserve.engine.worker.decode_graphs import (
     row_bucket,
     table_width,
 )
-from hybridserve.engine.worker.graph_calls import RecordingBackend, tracing
+from hybridserve.engine.worker.graph_calls import (
+    CompileOnFirstCall,
+    RecordingBackend,
+    mark_static,
+    static_pool_tensors,
+    tracing,
+)
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import without_all_experts
 from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
@@ -82,17 +89,20 @@ class PrefillGraphRunner:
         self.model, self.coordinator, self.device = model, coordinator, device
         self.cache: CacheTensors = pools.tensors()
         self.graph_cache: CacheTensors = pools.graph_tensors()
-        for rows in self.graph_cache.values():  # the pools never change shape: no symbols for them
-            torch._dynamo.mark_static(rows if isinstance(rows, torch.Tensor) else rows.flat)
         self.null_rows = pools.null_rows()
         self.max_model_len = max_model_len
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         self.recorder = RecordingBackend(GRAPH_BACKEND, options)
         # isolated: this runner's graph counts against its own recompile limit (see DecodeGraphRunner)
-        self.compiled = torch.compile(
-            self._forward, dynamic=True, fullgraph=True, backend=self.recorder, isolate_recompiles=True
-        )  # type: ignore[call-overload]  # torch's overloads lack the newer options
+        self.compiled = CompileOnFirstCall(
+            self._forward,
+            partial(mark_static, static_pool_tensors(self.graph_cache)),
+            dynamic=True,
+            fullgraph=True,
+            backend=self.recorder,
+            isolate_recompiles=True,
+        )
         self.enabled = True  # False once compiling failed: every step runs eagerly
         self.warmed = False
         self.min_tokens = 2  # fewer take the plain eager path
