@@ -51,8 +51,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
-        """``own_process``: the engine core runs in a process of its own (``run_engine_core``), where
-        start-up work no other thread shares may move off the path to readiness."""
+        """``own_process``: the engine core runs in a process of its own (``run_engine_core``), which
+        starts the grammar warm-up itself once it is ready."""
         self.config = config
         self.device = config.torch_device()
         raw = read_config(config.model)
@@ -80,7 +80,8 @@ class EngineCore:
         self.limits = RequestLimits(info.vocab_size, self.max_model_len, self.plan.max_request_tokens())
         self.eos_token_ids = _eos_token_ids(Path(config.model), info.eos_token_ids)
         self.structured = StructuredOutputs(config.model, info.vocab_size, self.eos_token_ids)
-        self.grammar_warm_up = self.structured.start_warm_up(import_in_thread=own_process)
+        # an engine-core process of its own warms it up after it is ready (``process.py``)
+        self.grammar_warm_up = None if own_process else self.structured.start_warm_up()
         stop = StopChecker(self.structured, self.limits.max_request_tokens)
         self.scheduler = Scheduler(self.coordinator, config.scheduler_config, stop)
         self.runner = self._build_runner()

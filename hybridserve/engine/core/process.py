@@ -64,6 +64,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
         if background:
             core.runner.graphs.start_gating()  # steps take a compiled part only once it is ready
         else:
+            core.grammar_warm_up = core.structured.start_warm_up(import_in_thread=True)
             core.warmup()
         send_while_parent_lives(outputs, encode(_ready(core)), parent)
         loop = _core_loop(core, inputs, outputs)
@@ -82,9 +83,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_threads:
 
 
 def _run_beside_compile(core: EngineCore, loop: CoreLoop) -> int:
-    """The core loop in a thread while this, the main thread, compiles the graphs: only the main thread
-    can be paused (by a signal) for each step (``engine/worker/compile_share.py``). Once the loop ends,
-    the compile is abandoned; the loop's status or exception is this function's."""
+    """The core loop in a thread while this, the main thread, warms up the grammar compiler (xgrammar's
+    import: seconds of Python) and compiles the graphs: only the main thread can be paused (by a signal)
+    for each step (``engine/worker/compile_share.py``). Once the loop ends, the compile is abandoned;
+    the loop's status or exception is this function's."""
     outcome: list[int | BaseException] = []
 
     def run() -> None:
@@ -97,7 +99,10 @@ def _run_beside_compile(core: EngineCore, loop: CoreLoop) -> int:
 
     thread = threading.Thread(target=run, name="core-loop", daemon=True)
     thread.start()
-    core.runner.warm_beside_steps()
+    with core.runner.compile_share.compiling():
+        if core.structured.has_tokenizer:
+            core.structured.warm_up()
+        core.runner.warm_beside_steps()
     thread.join()
     if isinstance(result := outcome[0], BaseException):
         raise result

@@ -204,20 +204,25 @@ class StructuredOutputs:
     # ---- grammars ---------------------------------------------------------------------------------
     def start_warm_up(self, import_in_thread: bool = False) -> threading.Thread | None:
         """Import xgrammar (seconds: it pulls in transformers), then build the compiler (the vocabulary's
-        token table) and compile the JSON-object grammar in a background thread, at start-up: on the step
-        loop they would stall every stream when the first constrained request came. A constrained request
-        that comes sooner waits for the warm-up; None when there is no tokenizer.
+        token table) and compile the JSON-object grammar (``warm_up``) in a background thread, at
+        start-up: on the step loop they would stall every stream when the first constrained request
+        came. A constrained request that comes sooner waits for the warm-up; None when there is no
+        tokenizer.
 
         transformers' lazy module must not be imported by two threads at once, so xgrammar is imported
         here unless ``import_in_thread`` (an engine-core process of its own, where nothing else imports
-        transformers: the import then does not delay the engine's readiness)."""
-        if not (Path(self.folder) / "tokenizer.json").is_file():
+        transformers)."""
+        if not self.has_tokenizer:
             return None
         if not import_in_thread:
             xgr.GrammarCompiler  # noqa: B018
         thread = threading.Thread(target=self.warm_up, name="grammar-warm-up", daemon=True)
         thread.start()
         return thread
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (Path(self.folder) / "tokenizer.json").is_file()
 
     def warm_up(self) -> None:
         try:

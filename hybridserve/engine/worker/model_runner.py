@@ -7,7 +7,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -105,14 +104,11 @@ class ModelRunner:
     def warm_beside_steps(self) -> None:
         """``warmup`` while steps run eagerly in another thread (after ``graphs.start_gating``): each part
         takes over once it is compiled (see ``GraphReadiness``); the log and ``graphs.ready`` say when,
-        and when the engine reached full speed. In the main thread the compile pauses for each step
-        (``CompileShare``) and stops once abandoned."""
-        main = threading.current_thread() is threading.main_thread()
-        with self.compile_share.compiling() if main else nullcontext():
-            if self._warm_parts_beside_steps():
-                log.info(
-                    "full speed: every compiled step ready %.1f s after start-up", self.graphs.all_ready()
-                )
+        and when the engine reached full speed. Under ``compile_share.compiling()`` the compile pauses
+        for each step and stops once abandoned."""
+        if self._warm_parts_beside_steps():
+            after = self.graphs.all_ready()
+            log.info("full speed: every compiled step ready %.1f s after start-up", after)
 
     def _warm_parts_beside_steps(self) -> bool:
         try:
