@@ -14,6 +14,7 @@ BIN := $(VENV)/bin
 UV_SOURCES = $(eval UV_SOURCES := $(shell $(PYTHON) -m pip config list 2>/dev/null \
 	| sed -n "s/^[a-z]*\.\(find-links\|index-url\|extra-index-url\)='\(.*\)'$$/\1 \2/p" \
 	| awk '{for (i = 2; i <= NF; i++) printf "--%s %s ", $$1, $$i}'))$(UV_SOURCES)
+UV := uv==0.13.9
 UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python $(UV_SOURCES)
 STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
@@ -21,8 +22,11 @@ TEST_STAMP := $(VENV)/.test-deps-stamp
 .PHONY: install serve generate test lint unit docs clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q uv==0.13.9
+	# The venv gets uv from this Python's pip (no copy of pip to unpack first: ~4 s), else from its own.
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(BIN)/python install -q $(UV) \
+		|| ($(BIN)/python -m ensurepip -q && $(BIN)/python -m pip install -q $(UV))
+	$(UV_INSTALL) pip
 	# CPU torch first: an open torch requirement would pull a multi-GB CUDA build.
 	$(UV_INSTALL) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# Serving needs only the runtime dependencies; `make test` adds the test extras.
