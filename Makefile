@@ -11,12 +11,15 @@ BIN := $(VENV)/bin
 # uv installs in parallel (torch alone: ~4 s against pip's ~35 s). It reads no pip.conf, so it is handed
 # the wheel folders and indexes pip is configured with (a machine's local mirror stays in use; computed
 # once, when an install runs). It compiles the bytecode as pip does: where PYTHONDONTWRITEBYTECODE is
-# set, nothing else would, and every process would compile torch's modules again (imports ~2x slower).
+# set, nothing else would, and every process would compile torch's modules again (imports ~2x slower);
+# and it takes the best version from every index, as pip does (uv's default stops at the first index
+# that has the package at all).
 UV_SOURCES = $(eval UV_SOURCES := $(shell $(PYTHON) -m pip config list 2>/dev/null \
 	| sed -n "s/^[a-z]*\.\(find-links\|index-url\|extra-index-url\)='\(.*\)'$$/\1 \2/p" \
 	| awk '{for (i = 2; i <= NF; i++) printf "--%s %s ", $$1, $$i}'))$(UV_SOURCES)
 UV := uv==0.13.9
-UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(UV_SOURCES)
+UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --index-strategy unsafe-best-match --python $(BIN)/python \
+	$(UV_SOURCES)
 STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
 
