@@ -98,9 +98,9 @@ def _run_beside_compile(core: EngineCore, loop: CoreLoop) -> int:
             core.runner.compile_share.abandon()
 
     thread = threading.Thread(target=run, name="core-loop", daemon=True)
-    thread.start()
-    with core.runner.compile_share.compiling():
-        if core.structured.has_tokenizer:
+    with core.runner.compile_share.compiling():  # entered first: the loop's first step pauses it too
+        thread.start()
+        if core.structured.has_tokenizer and not core.runner.compile_share.abandoned:
             core.structured.warm_up()
         core.runner.warm_beside_steps()
     thread.join()
