@@ -236,7 +236,7 @@ class StructuredOutputs:
 
     def _build_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
-            if not (Path(self.folder) / "tokenizer.json").is_file():
+            if not self.has_tokenizer:
                 raise RequestRejected(
                     "this model ships no tokenizer.json, so structured outputs are unavailable",
                     "invalid_structured_output",
