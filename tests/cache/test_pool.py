@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import NULL_BLOCK
+from hybridserve.cache.pool import NULL_BLOCK, block_runs
 from hybridserve.cache.pool_set import BlockPoolSet
 from tests.cache.helpers import toy_specs
 
@@ -96,3 +96,27 @@ def test_zeroing_batched_zeroes_every_block_handed_out_inside_once_on_leaving(
     assert torch.all(
         pool.tensors[("l0", "kv")].view(pool.num_blocks, pool.plan.rows_per_block, -1)[later[0]] == 0
     )
+
+
+def test_block_runs_are_the_consecutive_stretches() -> None:
+    assert block_runs([]) == []
+    assert block_runs([7, 3, 4, 5, 9, 8, 12]) == [(3, 6), (7, 10), (12, 13)]
+
+
+@pytest.mark.parametrize("layout", ["fixed", "arena"])
+def test_zeroing_touches_the_blocks_handed_out_and_no_other(layout: str) -> None:
+    pools = BlockPoolSet(build_plan(toy_specs(), 8, 2, 16, num_blocks=12, layout=layout), "cpu")
+    pool = pools["win"]
+    held = pool.allocate(9)
+    for t in pool.tensors.values():
+        t.fill_(5.0)
+    pool.free([held[1], held[2], held[4], held[7]])
+    again = pool.allocate(4)
+    assert sorted(again) == sorted([held[1], held[2], held[4], held[7]])
+    for t in pool.tensors.values():
+        blocks = t.unflatten(0, (pool.num_blocks, pool.plan.rows_per_block))
+        for b in range(1, pool.num_blocks):
+            if b in again:
+                assert torch.all(blocks[b] == 0), b
+            elif b in held:
+                assert torch.all(blocks[b] == 5.0), b
