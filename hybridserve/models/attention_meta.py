@@ -439,3 +439,32 @@ def _new_rows(
     positions = w * m
     cos_sin = rope.cos_sin(positions, dtype, max(windows) * m)
     return NewRows(count, src_slots, src_valid, positions, cos_sin, slots)
+
+
+def tie_shapes(meta: AttentionMeta, tokens: int) -> None:
+    """State the sizes ``meta``'s tensors share by construction (``torch._check``), for a compiled trace:
+    with every input size its own symbol, the trace otherwise proves each relation (B * Q padded rows
+    against a [B, Q, ...] mask) afresh at every view, which made most of its time."""
+    if meta.split is None:
+        _tie_group(meta, tokens)
+        return
+    _tie_group(meta, meta.split.main_rows.shape[0])
+    _tie_group(meta.split.decode, meta.split.decode_rows.shape[0])
+
+
+def _tie_group(meta: AttentionMeta, tokens: int) -> None:
+    b, q = meta.window_visible.shape[0], meta.window_visible.shape[1]
+    torch._check(meta.window_slots.shape[0] == b)
+    torch._check(meta.window_slots.shape[1] == meta.window_visible.shape[2])
+    torch._check(meta.blocks.size == q)
+    rows = meta.blocks.padded if meta.blocks.token_rows is not None else tokens
+    torch._check(rows == b * q)
+    for branch in (meta.csa, meta.hca):
+        if branch is None:
+            continue
+        n = branch.read_slots.shape[1]
+        torch._check(branch.read_slots.shape[0] == b)
+        torch._check(branch.read_visible.shape[0] == b)
+        torch._check(branch.read_visible.shape[1] == q)
+        torch._check(branch.read_visible.shape[2] == n)
+        torch._check(branch.read_count.shape[0] == b * q)

@@ -38,6 +38,7 @@ from hybridserve.models.attention_meta import (
     QueryBlocks,
     build_meta,
     decode_meta,
+    tie_shapes,
     visible_rows,
 )
 from hybridserve.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -396,6 +397,8 @@ class DeepseekV4Model(nn.Module):
         self, batch: ForwardBatch, cache: CacheTensors, meta: AttentionMeta | None = None
     ) -> torch.Tensor:
         meta = meta or self.attention_meta(batch)
+        if torch.compiler.is_compiling():
+            tie_shapes(meta, batch.input_ids.shape[0])
         rotary = self.rotary()
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()

@@ -35,6 +35,7 @@ from hybridserve.models.attention_meta import (
     MetaShapes,
     build_meta,
     decode_meta,
+    tie_shapes,
     visible_rows,
 )
 from hybridserve.models.deepseek_v4 import cache_specs
@@ -389,6 +390,29 @@ def test_compiled_steps_always_read_their_decodes_apart(kinds: list[str]) -> Non
         _equal(branch.read_visible[:, 0, :n], reference.read_visible[rows])
         assert not branch.read_visible[:, 0, n:].any()
         _equal(branch.read_slots[:, :n], reference.read_slots[rows])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize(("geometry", "seed", "kinds"), SCENARIOS)
+def test_the_sizes_a_trace_is_told_hold(
+    geometry: tuple[int, int, int, int], seed: int, kinds: list[str], compiled: bool
+) -> None:
+    """``tie_shapes`` states to a compiled trace which sizes of the metadata are equal: every statement
+    holds for real steps, in the eager form and in the compiled one (split, rows padded), so the graph it
+    shapes never refuses one. A metadata whose blocks disagree is refused."""
+    s = Scenario(geometry, seed)
+    for kind in kinds:
+        s.add(kind)
+    batch = s.batch(pad_windows=compiled)
+    rates = {"csa": s.cfg.compress_rates[CSA], "hca": s.cfg.compress_rates[HCA]}
+    seen = {name: visible_rows(batch.host_layout(), m) for name, m in rates.items()}
+    shapes = MetaShapes(BLOCK_SIZES, {name: max(2, n) + 3 for name, n in seen.items()}) if compiled else None
+    meta = build_meta(batch, s.cfg.sliding_window, rates, _rotary(s.cfg), torch.float32, shapes)
+    assert (meta.split is not None) or not compiled
+    tie_shapes(meta, batch.num_tokens)
+    broken = dataclasses.replace(meta, window_slots=torch.cat([meta.window_slots, meta.window_slots[:1]]))
+    with pytest.raises(RuntimeError):
+        tie_shapes(broken, batch.num_tokens)
 
 
 def test_hand_built_batch_derives_the_same_layout() -> None:
