@@ -160,7 +160,8 @@ class PrefillGraphRunner:
             batch = self._uniform(self._dummy_batch(lengths, starts))
             # Without duck shaping, a size that happens to equal another (a bucketed row count and a head
             # dim) gets its own symbol, so the trace cannot specialise it along with the other. Only
-            # traces need it: serving never traces (``eager_on_recompile``).
+            # traces need it: serving never traces (``eager_on_recompile``). The sizes that are equal by
+            # construction the model states itself (``attention_meta.tie_shapes``).
             with fx_config.patch(use_duck_shape=False), tracing():  # type: ignore[attr-defined]
                 self._call(batch, self._meta(batch))
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
