@@ -13,6 +13,15 @@ from tests.tiny_models import SPECS, add_random_mtp, make_checkpoint, make_tiny_
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def own_graph_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each test its own folder of saved step graphs (``engine/worker/saved_graphs.py``), inherited by the
+    processes it starts: a test that patches the model's code must trace it, not load another test's."""
+    folder = tmp_path_factory.mktemp("graphs")
+    monkeypatch.setenv("HYBRIDSERVE_GRAPH_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_checkpoint(name)``: folder of a tiny random transformers checkpoint (built once per session)."""

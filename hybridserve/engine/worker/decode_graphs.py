@@ -67,6 +67,7 @@ from hybridserve.engine.worker.graph_calls import (
     tracing,
 )
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
+from hybridserve.engine.worker.saved_graphs import SavedGraphs, store_folder
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.interface import CacheTensors, PagedModel, RowReads
 
@@ -167,6 +168,41 @@ class StaticDecode:
                 torch._dynamo.maybe_mark_dynamic(table, 1)
 
 
+def trunk_step(
+    model: PagedModel[Any],
+    batch: ForwardBatch,
+    rows: dict[str, torch.Tensor],
+    cache: CacheTensors,
+    max_model_len: int,
+    streams_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The static step of the trunk: metadata, forward, logits of every row (``streams_out``: where its
+    pre-head streams are kept). A function of its arguments only, as a graph kept on disk must be."""
+    meta = model.decode_meta(batch, rows, max_model_len)
+    streams = model(batch, cache, meta)
+    if streams_out is not None:
+        streams_out.copy_(streams)
+    return model.compute_logits(streams)
+
+
+def draft_step(
+    model: PagedModel[Any],
+    inputs: torch.Tensor,
+    batch: ForwardBatch,
+    cache: CacheTensors,
+    max_model_len: int,
+    streams_out: torch.Tensor,
+    kv_inputs: torch.Tensor | None,
+    kv: ForwardBatch | None,
+) -> torch.Tensor:
+    """The static step of the draft layer over rows from ``inputs``, after the ``kv`` rows that only
+    write their window row; its streams kept in ``streams_out``."""
+    kv_rows = None if kv is None or kv_inputs is None else (kv_inputs, kv)
+    streams = model.mtp_decode(inputs, batch, cache, max_model_len, kv=kv_rows)
+    streams_out.copy_(streams)
+    return model.mtp_logits(streams)
+
+
 class DecodeGraphRunner:
     """Runs pure-decode steps padded to static shapes; ``use_graphs`` captures and replays on CUDA."""
 
@@ -210,23 +246,53 @@ class DecodeGraphRunner:
         self.entries: dict[tuple[int, ...], StaticDecode] = {}  # (B, N per branch..., table width)
         self._last: StaticDecode | None = None  # the key of the latest step
         self.graph_pool: Any = None
-        self.compiled: Callable[[StaticDecode], torch.Tensor] | None = None
+        self.compiled: Callable[..., torch.Tensor] | None = None  # called with ``_args(entry)``
         # On CPU the generated C++ also calls the kernels (cpp_wrapper): a Python wrapper spent ~0.5 ms a
         # step allocating, viewing and checking buffers, a quarter of a batch-1 step.
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         self.recorder = RecordingBackend(GRAPH_BACKEND, options)
         if compiled:
-            # Every runner compiles the one function: isolated, its graphs count against its own recompile
-            # limit, not against one that every engine of the process shares (the ninth one failed).
-            self.compiled = CompileOnFirstCall(
-                self._logits,
-                partial(mark_static, static_pool_tensors(self.cache)),
-                dynamic=None,
-                backend=self.recorder,
-                isolate_recompiles=True,
-            )
+            self.compiled = self._saved_graphs() or self._torch_compiled()
             model.prepare_compiled_decode()
         self.compile_seconds = 0.0  # wall time of the first runs of new keys (compiles included)
+
+    def _saved_graphs(self) -> SavedGraphs | None:
+        """The step's graphs traced ahead of time and kept on disk (``saved_graphs``), for inductor."""
+        if GRAPH_BACKEND != "inductor":
+            return None
+        name = "draft" if self.draft else "decode"
+        prepare = partial(mark_static, static_pool_tensors(self.cache))
+        folder = partial(store_folder, self.model, self.device)  # on the first call: it imports inductor
+        return SavedGraphs(self._step_fn(), name, folder, self.recorder, prepare)
+
+    def _torch_compiled(self) -> Callable[..., Any]:
+        # Every runner compiles the one function: isolated, its graphs count against its own recompile
+        # limit, not against one that every engine of the process shares (the ninth one failed).
+        return CompileOnFirstCall(
+            self._step_fn(),
+            partial(mark_static, static_pool_tensors(self.cache)),
+            dynamic=None,
+            backend=self.recorder,
+            isolate_recompiles=True,
+        )
+
+    def _step_fn(self) -> Callable[..., torch.Tensor]:
+        return draft_step if self.draft else trunk_step
+
+    def _args(self, entry: StaticDecode) -> tuple[Any, ...]:
+        """What the step function of this runner reads: the model, the key's buffers, the cache."""
+        if self.draft:
+            return (
+                self.model,
+                entry.inputs,
+                entry.batch,
+                self.cache,
+                self.max_model_len,
+                entry.streams,
+                entry.kv_inputs,
+                entry.kv,
+            )
+        return (self.model, entry.batch, entry.rows, self.cache, self.max_model_len, entry.streams)
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
         """A step whose requests compute at most ``tokens_per_request`` tokens each (decodes; in a
@@ -411,7 +477,7 @@ class DecodeGraphRunner:
     def _compiled_run(self, entry: StaticDecode) -> torch.Tensor:
         assert self.compiled is not None
         with self.recorder.recording() as calls:
-            logits = self.compiled(entry)
+            logits = self.compiled(*self._args(entry))
         entry.direct = direct_call(entry.calls, calls, logits)
         entry.calls = calls
         return logits
@@ -420,8 +486,7 @@ class DecodeGraphRunner:
         """The key's first run, timed (it compiles a graph if none fits); eager if compiling fails."""
         start = time.perf_counter()
         try:
-            with tracing():
-                logits = self._compiled_run(entry) if self.compiled is not None else self._logits(entry)
+            logits = self._traced_run(entry)
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
             log.warning("torch.compile of the decode step failed; decoding eagerly", exc_info=True)
             self.compiled = None
@@ -438,18 +503,23 @@ class DecodeGraphRunner:
             log.info("%s step batch %d (%s rows) compiled: %.1f s", what, b, rows, seconds)
         return logits
 
+    def _traced_run(self, entry: StaticDecode) -> torch.Tensor:
+        """A run that may trace: a step that saved graphs cannot take (``SavedGraphs`` raised) is
+        compiled by ``torch.compile`` from then on."""
+        with tracing():
+            if self.compiled is None:
+                return self._logits(entry)
+            if not isinstance(self.compiled, SavedGraphs):
+                return self._compiled_run(entry)
+            try:
+                return self._compiled_run(entry)
+            except Exception:
+                log.warning("the decode step cannot be saved traced; torch.compile traces it", exc_info=True)
+                self.compiled = self._torch_compiled()
+                return self._compiled_run(entry)
+
     def _logits(self, entry: StaticDecode) -> torch.Tensor:
-        if self.draft:
-            assert entry.inputs is not None and entry.streams is not None
-            kv = None if entry.kv is None or entry.kv_inputs is None else (entry.kv_inputs, entry.kv)
-            streams = self.model.mtp_decode(entry.inputs, entry.batch, self.cache, self.max_model_len, kv=kv)
-            entry.streams.copy_(streams)
-            return self.model.mtp_logits(streams)
-        meta = self.model.decode_meta(entry.batch, entry.rows, self.max_model_len)
-        streams = self.model(entry.batch, self.cache, meta)
-        if entry.streams is not None:
-            entry.streams.copy_(streams)
-        return self.model.compute_logits(streams)
+        return self._step_fn()(*self._args(entry))
 
     def _replay(self, entry: StaticDecode) -> None:
         if entry.graph is None:

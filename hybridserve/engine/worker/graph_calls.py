@@ -97,7 +97,11 @@ class RecordingBackend:
         self.calls: list[GraphCall] | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        return _RecordedGraph(self._compile(gm, example_inputs), self)
+        return self.wrap(self._compile(gm, example_inputs))
+
+    def wrap(self, graph: Callable[..., Any]) -> Callable[..., Any]:
+        """``graph`` with its calls recorded (a graph compiled elsewhere: ``saved_graphs``)."""
+        return _RecordedGraph(graph, self)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.backend == "inductor":

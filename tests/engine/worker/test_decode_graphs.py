@@ -301,7 +301,8 @@ def test_compiled_decode_matches_eager(
     run all at once up to 64 tokens, or here up to 2, when batch 8 compiles the grouped side of that guard:
     traced by dynamo alone, as inductor would take a CI minute more); then three requests decode padded to
     batch 4 while their CSA rows grow from 1-3 to 9, across two row buckets (4 -> 8 -> 16), and no graph
-    compiles: serving never stops to compile a batch size or a longer context.
+    compiles: serving never stops to compile a batch size or a longer context. A second runner (a restart)
+    loads inductor's graphs from the folder the first saved them in, traces none, and gives the same bits.
     Buckets from 2 rows up make the shortest CSA bucket the indexer's top-k (2) unless the runner pads
     past it, which once specialised the graph to keeping every row."""
     monkeypatch.setattr(decode_graphs, "MIN_ROW_BUCKET", 2)
@@ -314,6 +315,12 @@ def test_compiled_decode_matches_eager(
     compiled, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == graphs
     _assert_matches(plain, compiled, pools)
+    if backend == "inductor":  # a restart: the graphs saved with their guards load, none is traced
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        loaded, pools = _run(model, (9, 5, 7), graphs=True, compiled=True, warm=True)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+        assert all(torch.equal(a, b) for a, b in zip(compiled, loaded, strict=True))
+        _assert_matches(plain, loaded, pools)
 
 
 # One CSA layer: a model whose graphs trace in a third of the time of the three-layer ones.
