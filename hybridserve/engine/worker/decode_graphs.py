@@ -509,11 +509,11 @@ class DecodeGraphRunner:
         with tracing():
             if self.compiled is None:
                 return self._logits(entry)
-            if not isinstance(self.compiled, SavedGraphs):
-                return self._compiled_run(entry)
             try:
                 return self._compiled_run(entry)
             except Exception:
+                if not isinstance(self.compiled, SavedGraphs):
+                    raise
                 log.warning("the decode step cannot be saved traced; torch.compile traces it", exc_info=True)
                 self.compiled = self._torch_compiled()
                 return self._compiled_run(entry)
