@@ -12,11 +12,13 @@ included, so one graph serves every such step.
 :meth:`PrefillGraphRunner.warmup` compiles that graph at start-up, on steps of dummy requests whose block
 tables are all the null block (their writes land there and are zeroed after). Dynamo specialises what
 the first trace happened to see equal, so the warm-up runs steps of unrelated sizes until one runs
-without compiling. Serving then calls the graph with dynamo's ``eager_on_recompile`` stance: a step the
-graph's guards refuse (a dim of size 1, an attention chunking the graph did not trace) runs eagerly on
-the same metadata rather than stopping to compile. Every step's metadata reads its one-token requests
-apart from the others' chunks (DeepSeek-V4's ``AttentionMeta.split``; a step without two decodes gets
-filler entries), so steps with and without decodes share the graph. One-token steps take the plain
+without compiling. With inductor the graphs are traced ahead of time and kept on disk with their guards
+(``saved_graphs``, as the decode graphs are): a restart's warm-up loads them and traces none. Serving
+never traces: a step the graphs' guards refuse (a dim of size 1, an attention chunking no graph traced)
+runs eagerly on the same metadata (dynamo's ``eager_on_recompile`` stance for ``torch.compile``).
+Every step's metadata reads its one-token requests apart from the others' chunks (DeepSeek-V4's
+``AttentionMeta.split``; a step without two decodes gets filler entries), so steps with and without
+decodes share the graph. One-token steps take the plain
 eager path. The graph never runs every routed expert for few tokens (``moe.without_all_experts``, as the
 decode graphs may): that guard would split it in two, and few-token steps rarely reach it (decodes and
 verify steps take the decode graphs). ``steps`` counts the compiled and the eager runs of the graph's
@@ -55,6 +57,7 @@ from hybridserve.engine.worker.graph_calls import (
     static_pool_tensors,
     tracing,
 )
+from hybridserve.engine.worker.saved_graphs import SavedGraphs, store_folder
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import without_all_experts
 from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
@@ -73,6 +76,11 @@ WARMUP_STEPS = (
     ((83, 22, 57), (11, 64, 3)),
 )
 MAX_WARMUP_STEPS = 5
+
+
+def prefill_step(model: PagedModel[Any], batch: ForwardBatch, cache: CacheTensors, meta: Any) -> torch.Tensor:
+    """The compiled function: a module-level function of its arguments, as a saved graph's must be."""
+    return model(batch, cache, meta)
 
 
 class PrefillGraphRunner:
@@ -94,20 +102,31 @@ class PrefillGraphRunner:
         self.group_names = [g.spec.name for g in coordinator.plan.groups]
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         self.recorder = RecordingBackend(GRAPH_BACKEND, options)
+        self.compiled: SavedGraphs | CompileOnFirstCall = self._saved_graphs() or self._torch_compiled()
+        self.enabled = True  # False once compiling failed: every step runs eagerly
+        self.warmed = False
+        self.min_tokens = 2  # fewer take the plain eager path
+        self.compile_seconds = 0.0
+        self.steps = {"compiled": 0, "eager": 0}
+
+    def _saved_graphs(self) -> SavedGraphs | None:
+        """The graphs traced ahead of time and kept on disk (``saved_graphs``), for inductor."""
+        if GRAPH_BACKEND != "inductor":
+            return None
+        prepare = partial(mark_static, static_pool_tensors(self.graph_cache))
+        folder = partial(store_folder, self.model, self.device)  # on the first call: it imports inductor
+        return SavedGraphs(prefill_step, "prefill", folder, self.recorder, prepare, dynamic=True)
+
+    def _torch_compiled(self) -> CompileOnFirstCall:
         # isolated: this runner's graph counts against its own recompile limit (see DecodeGraphRunner)
-        self.compiled = CompileOnFirstCall(
-            self._forward,
+        return CompileOnFirstCall(
+            prefill_step,
             partial(mark_static, static_pool_tensors(self.graph_cache)),
             dynamic=True,
             fullgraph=True,
             backend=self.recorder,
             isolate_recompiles=True,
         )
-        self.enabled = True  # False once compiling failed: every step runs eagerly
-        self.warmed = False
-        self.min_tokens = 2  # fewer take the plain eager path
-        self.compile_seconds = 0.0
-        self.steps = {"compiled": 0, "eager": 0}
 
     def supports(self, scheduled: list[ScheduledRequest]) -> bool:
         """A step of prompt chunks (maybe beside decodes) or of drafts to verify (each request's last token
@@ -138,6 +157,8 @@ class PrefillGraphRunner:
         start = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():
             self._warm(WARMUP_STEPS)
+        if isinstance(self.compiled, SavedGraphs):
+            self.compiled.compile_missing = False  # serving never traces: a step no graph takes runs eagerly
         self.warmed = True
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
@@ -148,11 +169,17 @@ class PrefillGraphRunner:
     def _warm(self, steps: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]) -> None:
         for i in range(MAX_WARMUP_STEPS):
             lengths, starts = steps[min(i, len(steps) - 1)]
-            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            traces = self._traces()
             if not self._warm_step(lengths, starts):
                 return
-            if i >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames:
+            if i >= 1 and self._traces() == traces:
                 return
+
+    def _traces(self) -> int:
+        """Graphs traced so far (by this runner's saved graphs, else by dynamo in this process)."""
+        if isinstance(self.compiled, SavedGraphs):
+            return self.compiled.traced
+        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
     def _warm_step(self, lengths: tuple[int, ...], starts: tuple[int, ...]) -> bool:
         """One dummy step through the graph -> whether compiling works."""
@@ -165,14 +192,15 @@ class PrefillGraphRunner:
             with fx_config.patch(use_duck_shape=False), tracing():  # type: ignore[attr-defined]
                 self._call(batch, self._meta(batch))
         except Exception:  # a missing C++ compiler, an unsupported op: serve eagerly rather than fail
+            if isinstance(self.compiled, SavedGraphs):
+                log.warning("prefill steps cannot be saved traced; torch.compile traces them", exc_info=True)
+                self.compiled = self._torch_compiled()
+                return self._warm_step(lengths, starts)
             log.warning("torch.compile of prefill steps failed; they run eagerly", exc_info=True)
             self.enabled = False
         finally:
             torch._foreach_zero_(self.null_rows)
         return self.enabled
-
-    def _forward(self, batch: ForwardBatch, cache: dict, meta: Any) -> torch.Tensor:
-        return self.model(batch, cache, meta)
 
     def _streams(self, batch: ForwardBatch) -> tuple[torch.Tensor, bool]:
         """(streams, whether the graph ran them)."""
@@ -187,7 +215,9 @@ class PrefillGraphRunner:
     def _call(self, batch: ForwardBatch, meta: Any) -> tuple[torch.Tensor, bool]:
         """(streams, whether the compiled graph ran)."""
         with self.recorder.recording() as calls, without_all_experts():
-            streams = self.compiled(batch, self.graph_cache, meta)
+            streams = self.compiled(self.model, batch, self.graph_cache, meta)
+            if streams is None:  # no saved graph's guards hold (and none is traced): as eager_on_recompile
+                streams = prefill_step(self.model, batch, self.graph_cache, meta)
         return streams, bool(calls)
 
     def _meta(self, batch: ForwardBatch) -> Any:

@@ -126,6 +126,28 @@ def unmarked(args: tuple[Any, ...]) -> Iterator[None]:
 
 
 @contextmanager
+def _singletons_by_name() -> Iterator[None]:
+    """Dtypes, layouts and memory formats pickled by name in a graph's guards. The guards' pickler drops
+    each value the guards do not read (a module attribute, an argument) by its ``id``, and a dtype is one
+    object process-wide: a model's ``self.dtype`` the guards never read made every float32 in the saved
+    guards a placeholder that no load can rebuild a tensor from."""
+    from torch._dynamo.guards import GuardsStatePickler
+
+    reduce = GuardsStatePickler.reducer_override
+
+    def by_name(pickler: GuardsStatePickler, obj: Any) -> Any:
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return NotImplemented
+        return reduce(pickler, obj)
+
+    GuardsStatePickler.reducer_override = by_name  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = reduce  # type: ignore[method-assign]
+
+
+@contextmanager
 def _graph_name(graph_name: str) -> Iterator[None]:
     """Dynamo names each graph ``__compiled_fn_<count>_<uuid>``, and an ahead-of-time trace's AOTAutograd
     cache key holds that name: no trace would ever find inductor's code of an earlier one (each cost a full
@@ -210,7 +232,7 @@ class SavedGraphs:
             backend=self.recorder.backend,
             options=self.recorder.options or None,
         )
-        with _graph_name(self._free_name()):
+        with _graph_name(self._free_name()), _singletons_by_name():
             graph = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
         self.traced += 1
         self._record(graph)

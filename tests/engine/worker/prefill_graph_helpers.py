@@ -21,7 +21,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logpr
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> None:
-    """Every runner's graph is cached on the one code object of ``PrefillGraphRunner._forward``: earlier
+    """Every runner's graph is cached on the one code object of ``prefill_graphs.prefill_step``: earlier
     tests' entries would count against dynamo's recompile limit, past which it runs frames eagerly."""
     torch._dynamo.reset()
 

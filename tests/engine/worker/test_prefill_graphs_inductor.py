@@ -12,6 +12,7 @@ import torch
 
 from hybridserve.engine.llm import LLM
 from hybridserve.engine.worker import decode_graphs, prefill_graphs
+from hybridserve.engine.worker.saved_graphs import SavedGraphs
 from tests.engine.worker.prefill_graph_helpers import (  # noqa: F401  (fresh_dynamo: an autouse fixture)
     PARAMS,
     assert_close,
@@ -71,7 +72,8 @@ def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str]
     """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step, over the cache
     arena (the default layout: its rows reach the graph as ``FlatRows``); on the 2-layer model (a CI
     minute). Every step the graph supports runs it, short prompts included: its guards refuse none (they
-    did while the trace kept Python floats as symbols)."""
+    did while the trace kept Python floats as symbols). A second engine (a restart) loads the graph the first
+saved instead of tracing it."""
     prompts = graph_prompts((17, 30, 9))
     plain_llm = graph_llm(tiny_checkpoint("yarn"), compiled=False)
     plain = plain_llm.generate(prompts, PARAMS, use_tqdm=False)
@@ -86,3 +88,8 @@ def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str]
     expected = plain_llm.generate(short, PARAMS, use_tqdm=False)
     assert_close(expected, llm.generate(short, PARAMS, use_tqdm=False))
     assert runner.steps["eager"] == 0, "the graph's guards refused a step"
+    restarted = graph_llm(tiny_checkpoint("yarn"), compiled=True, cache_layout="arena")
+    saved = prefill_runner(restarted).compiled
+    assert isinstance(saved, SavedGraphs) and (saved.loaded, saved.traced) == (1, 0), "a restart traced"
+    assert_close(plain, restarted.generate(prompts, PARAMS, use_tqdm=False))
+    assert prefill_runner(restarted).steps["eager"] == 0

@@ -105,3 +105,24 @@ def test_the_folder_is_keyed_by_what_the_graphs_were_traced_from(monkeypatch: py
     assert store_root() is None
     monkeypatch.delenv("HYBRIDSERVE_GRAPH_CACHE")
     assert store_root() is not None and store_root().name == "hybridserve-graphs"  # type: ignore[union-attr]
+
+
+class _WithDtype(nn.Linear):
+    """A model that keeps its dtype as an attribute (as DeepSeek-V4's modules do), unread by the step."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 4)
+        self.dtype = torch.float32
+
+
+def test_a_dtype_attribute_the_guards_do_not_read_still_loads(tmp_path: Path) -> None:
+    """The guards' pickler drops values the guards never read by identity: a model's ``self.dtype`` made
+    every float32 in the saved guards unloadable (torch 2.13) until dtypes were pickled by name."""
+    torch.manual_seed(0)
+    model = _WithDtype()
+    with torch.no_grad():
+        traced = _graphs(tmp_path)(*_args(model, 4))
+        second = _graphs(tmp_path)
+        loaded = second(*_args(model, 4))
+    assert (second.loaded, second.traced) == (1, 0)
+    assert torch.equal(traced, loaded)
