@@ -27,6 +27,7 @@ import httpx
 from hybridserve.bench.server_process import free_port, parse_metrics, stop, wait_healthy
 
 PROMPT = "It is a truth universally acknowledged"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _complete(url: str) -> float:
@@ -48,10 +49,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "hybridserve.cli", "serve", "--port", str(port), "--num-threads", "1"]
-    argv += ["--model", args.model] if args.model else []
+    if args.model:  # a folder named from here, found from the server's working folder (ROOT)
+        argv += ["--model", str(Path(args.model).resolve()) if Path(args.model).exists() else args.model]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     launched = time.perf_counter()
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # In this script's checkout: `python -m` puts the working folder first on sys.path, so a server started
+    # from another checkout would run that one's code (an A/B of two worktrees would compare one commit).
+    process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(url, process, timeout=args.timeout)
         healthy = time.perf_counter() - launched
