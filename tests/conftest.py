@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridserve.layers.hyper_connection import set_compile
 from tests.tiny_models import SPECS, add_random_mtp, make_checkpoint, make_tiny_dense_checkpoint
 
 # Tiny models are dominated by per-op overhead; one thread is fastest and steadiest on shared CI machines.
@@ -20,6 +21,13 @@ def own_graph_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Te
     folder = tmp_path_factory.mktemp("graphs")
     monkeypatch.setenv("HYBRIDSERVE_GRAPH_CACHE", str(folder))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def eager_mhc_tail() -> None:
+    """The mHC tail's process-wide compile switch off at each test's start, as in a new process: an engine's
+    warm-up switches it on, and a later test's model run without an engine would compile its tail mid-run."""
+    set_compile(False)
 
 
 @pytest.fixture(scope="session")

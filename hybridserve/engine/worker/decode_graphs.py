@@ -67,7 +67,7 @@ from hybridserve.engine.worker.graph_calls import (
     tracing,
 )
 from hybridserve.engine.worker.prompt_logprobs import gathers_prompt_logprobs
-from hybridserve.engine.worker.saved_graphs import SavedGraphs, store_folder
+from hybridserve.engine.worker.saved_graphs import SavedGraphs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.models.interface import CacheTensors, PagedModel, RowReads
 
@@ -261,9 +261,8 @@ class DecodeGraphRunner:
         if GRAPH_BACKEND != "inductor":
             return None
         name = "draft" if self.draft else "decode"
-        prepare = partial(mark_static, static_pool_tensors(self.cache))
-        folder = partial(store_folder, self.model, self.device)  # on the first call: it imports inductor
-        return SavedGraphs(self._step_fn(), name, folder, self.recorder, prepare)
+        static = static_pool_tensors(self.cache)
+        return SavedGraphs.of_step(self._step_fn(), name, self.model, self.device, self.recorder, static)
 
     def _torch_compiled(self) -> Callable[..., Any]:
         # Every runner compiles the one function: isolated, its graphs count against its own recompile

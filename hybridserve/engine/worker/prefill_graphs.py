@@ -18,9 +18,9 @@ never traces: a step the graphs' guards refuse (a dim of size 1, an attention ch
 runs eagerly on the same metadata (dynamo's ``eager_on_recompile`` stance for ``torch.compile``).
 Every step's metadata reads its one-token requests apart from the others' chunks (DeepSeek-V4's
 ``AttentionMeta.split``; a step without two decodes gets filler entries), so steps with and without
-decodes share the graph. One-token steps take the plain
-eager path. The graph never runs every routed expert for few tokens (``moe.without_all_experts``, as the
-decode graphs may): that guard would split it in two, and few-token steps rarely reach it (decodes and
+decodes share the graph. One-token steps take the plain eager path. The graph never runs every routed
+expert for few tokens (``moe.without_all_experts``, as the decode graphs may): that guard would split it
+in two, and few-token steps rarely reach it (decodes and
 verify steps take the decode graphs). ``steps`` counts the compiled and the eager runs of the graph's
 steps.
 
@@ -57,7 +57,7 @@ from hybridserve.engine.worker.graph_calls import (
     static_pool_tensors,
     tracing,
 )
-from hybridserve.engine.worker.saved_graphs import SavedGraphs, store_folder
+from hybridserve.engine.worker.saved_graphs import SavedGraphs
 from hybridserve.layers.forward_batch import BatchLayout, ForwardBatch, host_tensor
 from hybridserve.layers.moe import without_all_experts
 from hybridserve.models.interface import CacheTensors, MetaShapes, PagedModel
@@ -113,9 +113,9 @@ class PrefillGraphRunner:
         """The graphs traced ahead of time and kept on disk (``saved_graphs``), for inductor."""
         if GRAPH_BACKEND != "inductor":
             return None
-        prepare = partial(mark_static, static_pool_tensors(self.graph_cache))
-        folder = partial(store_folder, self.model, self.device)  # on the first call: it imports inductor
-        return SavedGraphs(prefill_step, "prefill", folder, self.recorder, prepare, dynamic=True)
+        static = static_pool_tensors(self.graph_cache)
+        model, device, recorder = self.model, self.device, self.recorder
+        return SavedGraphs.of_step(prefill_step, "prefill", model, device, recorder, static, dynamic=True)
 
     def _torch_compiled(self) -> CompileOnFirstCall:
         # isolated: this runner's graph counts against its own recompile limit (see DecodeGraphRunner)

@@ -25,13 +25,13 @@ import os
 import platform
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridserve.engine.worker.graph_calls import RecordingBackend
+from hybridserve.engine.worker.graph_calls import RecordingBackend, mark_static
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,22 @@ class SavedGraphs:
         self.compile_missing = True
         self.loaded = 0  # graphs read from the folder
         self.traced = 0  # graphs traced in this process
+
+    @classmethod
+    def of_step(
+        cls,
+        fn: Callable[..., Any],
+        name: str,
+        model: object,
+        device: torch.device,
+        recorder: RecordingBackend,
+        static: list[torch.Tensor],
+        dynamic: bool | None = None,
+    ) -> SavedGraphs:
+        """A model's step ``fn`` in the model's folder (``store_folder``, found at the first call: finding it
+        imports inductor), the cache tensors ``static`` marked static before the first trace."""
+        folder = partial(store_folder, model, device)
+        return cls(fn, name, folder, recorder, partial(mark_static, static), dynamic)
 
     def __call__(self, *args: Any) -> Any:
         graph = self.graph_for(args)

@@ -72,8 +72,8 @@ def test_inductor_compiled_prefill_matches_eager(tiny_checkpoint: Callable[[str]
     """The real backend (inductor's C++ code on CPU), warmed up by the first prefill step, over the cache
     arena (the default layout: its rows reach the graph as ``FlatRows``); on the 2-layer model (a CI
     minute). Every step the graph supports runs it, short prompts included: its guards refuse none (they
-    did while the trace kept Python floats as symbols). A second engine (a restart) loads the graph the first
-saved instead of tracing it."""
+    did while the trace kept Python floats as symbols). A second engine (a restart) loads the graph the
+    first saved instead of tracing it."""
     prompts = graph_prompts((17, 30, 9))
     plain_llm = graph_llm(tiny_checkpoint("yarn"), compiled=False)
     plain = plain_llm.generate(prompts, PARAMS, use_tqdm=False)
