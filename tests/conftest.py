@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,10 @@ from tests.tiny_models import SPECS, add_random_mtp, make_checkpoint, make_tiny_
 
 # Tiny models are dominated by per-op overhead; one thread is fastest and steadiest on shared CI machines.
 torch.set_num_threads(1)
+# Inductor's pool of compile worker processes (one per core) costs ~10 s of CPU to start in every
+# process that compiles, more than the tiny models' kernels take to build: tests compile in-process.
+# Read when inductor's config is first imported (not by `import torch`); started processes inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

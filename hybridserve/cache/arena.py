@@ -10,7 +10,6 @@ it), which forgets those cached blocks.
 from __future__ import annotations
 
 import itertools
-import mmap
 from collections import OrderedDict
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from hybridserve.cache.arena_plan import ArenaPlan
 from hybridserve.cache.flat_rows import FlatRows
 from hybridserve.cache.plan import GroupPlan
-from hybridserve.cache.pool import BlockPool, zero_runs
+from hybridserve.cache.pool import BlockPool, zero_runs, zeroed
 
 NULL_PAGE = 0
 
@@ -43,21 +42,12 @@ class SparseTable(dict[int, Any]):
             super().__setitem__(block, value)
 
 
-def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``nbytes`` zero bytes. On CPU an anonymous mapping, whose pages the kernel zeroes when first
-    touched: writing a large arena's zeros up front costs seconds of every start-up (a page fault per
-    4 KiB page), spent here by the first requests that use each page instead."""
-    if device.type != "cpu" or nbytes == 0:
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-
-
 class PageArena:
     """The pages and their owners; groups' views of ``storage`` are made by ``ArenaBlockPool``."""
 
     def __init__(self, plan: ArenaPlan, device: torch.device | str) -> None:
         self.plan = plan
-        self.storage = zeroed_bytes(plan.total_bytes, torch.device(device))
+        self.storage = zeroed((plan.total_bytes,), torch.uint8, device)
         self.owner: list[str | None] = [None] * plan.num_pages
         self._free: dict[int, None] = dict.fromkeys(range(plan.num_pages - 1, NULL_PAGE, -1))  # LIFO
         self.pools: dict[str, ArenaBlockPool] = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridserve.cache.plan import build_plan
-from hybridserve.cache.pool import NULL_BLOCK, block_runs
+from hybridserve.cache.pool import NULL_BLOCK, block_runs, zeroed
 from hybridserve.cache.pool_set import BlockPoolSet
 from tests.cache.helpers import toy_specs
 
@@ -25,6 +25,23 @@ def test_blocks_are_zeroed_when_handed_out_and_null_block_never_is() -> None:
     again = pool.allocate(1)
     rows = pool.tensors[("l0", "kv")].view(pool.num_blocks, 8, 2)[again[0]]
     assert torch.all(rows == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64])
+def test_pool_memory_starts_zero_in_tensors_of_their_own(dtype: torch.dtype) -> None:
+    """``zeroed``: the kernel's lazily zeroed pages on CPU, in the asked shape and dtype, writable, and no
+    two tensors share memory (a write to one pool's rows never shows in another's)."""
+    a, b = zeroed((5, 3), dtype, "cpu"), zeroed((5, 3), dtype, "cpu")
+    assert a.shape == (5, 3) and a.dtype == dtype and a.is_contiguous()
+    assert torch.all(a.float() == 0) and torch.all(b.float() == 0)
+    a.view(torch.uint8).fill_(1)
+    assert torch.all(b.view(torch.uint8) == 0)
+    assert zeroed((0, 3), dtype, "cpu").shape == (0, 3)
+
+
+def test_a_fixed_pool_starts_all_zero() -> None:
+    pools = _pools(64)
+    assert all(not t.any() for pool in pools.pools.values() for t in pool.tensors.values())
 
 
 def test_all_or_nothing_across_groups() -> None:
